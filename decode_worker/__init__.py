@@ -1,0 +1,1 @@
+"""gRPC servicer around an engine in the decode role. Filled by the gRPC services issue."""

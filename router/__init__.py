@@ -1,0 +1,1 @@
+"""Public front door (Generate API, routing, P/D orchestration). Filled by the gRPC services issue."""

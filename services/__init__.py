@@ -1,0 +1,1 @@
+"""What every service is built from: the engine and the serving bootstrap."""

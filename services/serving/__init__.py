@@ -1,0 +1,1 @@
+"""aio gRPC server bootstrap and config. Filled by the gRPC services issue."""
