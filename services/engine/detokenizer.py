@@ -1,0 +1,111 @@
+"""Incremental detokenization of output token ids, with stop strings.
+
+Each step decodes only a small window of token ids: the tokens already turned into text
+last step (`_prefix_offset:_read_offset`) plus the new ones, and emits the difference, as
+vLLM and TGI do. Text is held back while it ends in an incomplete UTF-8 character, and
+while its tail could still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into text deltas, and applies stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._stop = tuple(s for s in stop if s)
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A prompt ending mid-character would make the window's prefix text unstable.
+        if self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []
+        self._ids = context  # prompt context, then all output ids
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._text = ""  # output text decoded so far (truncated at a stop)
+        self._emitted = 0  # how much of self._text was returned as deltas
+        self._stop_matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def stop_matched(self) -> str | None:
+        return self._stop_matched
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the new text that is safe to emit now."""
+        if self._stop_matched is not None:
+            raise RuntimeError("update() after a stop string matched")
+        self._ids.extend(new_token_ids)
+        self._append(self._decode_new(final=False))
+        if self._stop_matched is not None:
+            return self._take(len(self._text))
+        return self._take(len(self._text) - self._held_back())
+
+    def flush(self) -> str:
+        """The request ended for another reason: return any text still held back."""
+        if self._stop_matched is None:
+            self._append(self._decode_new(final=True))
+        return self._take(len(self._text))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the tokens past `_read_offset`; "" while it ends mid-character."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _append(self, delta: str) -> None:
+        """Add decoded text, and cut it at the first stop string that now appears."""
+        if not delta:
+            return
+        old_len = len(self._text)
+        self._text += delta
+        start = max(0, old_len - self._longest_stop + 1)
+        best: tuple[int, int, str] | None = None
+        for s in self._stop:
+            pos = self._text.find(s, start)
+            if pos >= 0 and (best is None or (pos, len(s)) < best[:2]):
+                best = (pos, len(s), s)
+        if best is not None:
+            pos, length, self._stop_matched = best
+            self._text = self._text[: pos + length if self._include_stop else pos]
+            self._emitted = min(self._emitted, len(self._text))
+
+    def _held_back(self) -> int:
+        """How many trailing characters could still be the start of a stop string."""
+        for k in range(min(self._longest_stop - 1, len(self._text)), 0, -1):
+            tail = self._text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        delta = self._text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,127 @@
+"""Load weights: a GGUF file (dequantized at load time) or an HF directory of safetensors.
+
+Both produce HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) which the
+model's `load_weights` consumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.engine.model_config import ModelConfig
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None means the default model. Otherwise a `.gguf` file or an HF model directory."""
+    if model is None:
+        from services.engine.default_model import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ValueError(
+        f"model {str(model)!r} is neither a .gguf file nor an HF model directory with a "
+        "config.json (models are not downloaded from a hub at run time)"
+    )
+
+
+def _gguf_meta(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            meta[key] = range(len(field.data))  # only the count is needed here
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp stores each head's rows as interleaved pairs (x0, y0, x1, y1, ...) for its
+    GPT-J style RoPE; HF Llama rotates the two halves (x0..x_{d/2-1}, y0..y_{d/2-1}).
+    Per head: rows [2, d/2] were swapped to [d/2, 2]; swap them back.
+    """
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf(_gguf_meta(reader), "output.weight" in names)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            w = dequantize(t.data, t.tensor_type)
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+            if m:
+                layer, part, kind = m.groups()
+                if part == "attn_q":
+                    w = _unpermute_rope(w, config.num_heads)
+                elif part == "attn_k":
+                    w = _unpermute_rope(w, config.num_kv_heads)
+                name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+            elif t.name in _GGUF_NAMES:
+                name = _GGUF_NAMES[t.name]
+            else:
+                continue  # e.g. rope_freqs: recomputed from the config
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+
+    return config, weights()
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in model directory {str(path)!r}")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+
+    return config, weights()
+
+
+def load_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    return load_gguf(path) if path.suffix == ".gguf" else load_hf_dir(path)

@@ -1,0 +1,191 @@
+"""Runs one scheduled step: flattens the batch, runs the model, samples.
+
+The whole batch is one sequence with no padding (see kernels/metadata.py). Only the
+requests whose computed count reaches their token count this step produce logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from kernels.metadata import AttentionMetadata
+from services.engine.config import EngineConfig
+from services.engine.cuda_graphs import CudaGraphRunner
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.model_config import ModelConfig
+from services.engine.models.llama import MODELS
+from services.engine.request import Request
+from services.engine.sampler import Sampler, SamplingRow
+from services.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None  # the sampled token and the top N, if asked
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    # K and V, every layer, every slot of the block.
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * item
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights,
+                 max_model_len: int):
+        self.config = config
+        self.mc = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.backend = kernels.select_backend(self.device, config.attention_backend)
+        cls = MODELS.get(model_config.architecture)
+        if cls is None:
+            raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
+                             f"supported: {sorted(MODELS)}")
+        self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
+        self.model.load_weights(weights)
+        self.model.eval()
+        gen = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(gen)
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: CudaGraphRunner | None = None
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks the memory budget holds."""
+        per_block = kv_bytes_per_block(self.mc, self.block_size, self.dtype)
+        if self.device.type != "cuda":
+            return int(self.config.kv_cache_gib * (1 << 30)) // per_block
+        # GPU: run the largest batch once without a cache to find peak activation memory,
+        # then give the KV cache what is left of gpu_memory_utilization * total.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, 4096)
+        dummy = [torch.zeros(2, 1, self.block_size, self.mc.num_kv_heads, self.mc.head_dim,
+                             dtype=self.dtype, device=self.device)
+                 for _ in range(self.mc.num_layers)]
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = _single_prefill_meta(n, self.block_size, self.device)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device),
+                                                 dummy, meta))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        del dummy
+        torch.cuda.empty_cache()
+        return max(0, budget // per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        # One tensor per layer: [K|V, block, offset in block, kv head, head dim].
+        shape = (2, num_blocks, self.block_size, self.mc.num_kv_heads, self.mc.head_dim)
+        self.kv_caches = [_zeros(shape, self.dtype, self.device)
+                          for _ in range(self.mc.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks,
+                 self.block_size, num_blocks * self.block_size,
+                 num_blocks * kv_bytes_per_block(self.mc, self.block_size, self.dtype) / 2**30,
+                 self.dtype)
+
+    def maybe_capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_blocks,
+                                      self.device)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
+        entries = sched.scheduled
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for i, (req, n) in enumerate(entries):
+            start = req.num_computed_tokens
+            ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(kv.block_ids(req.request_id))
+            if start + n == req.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                samplers.append(req)
+        num_decodes = next((i for i, (_, n) in enumerate(entries) if n > 1), len(entries))
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        # Token t of request r lives in slot table[r, pos // bs] * bs + pos % bs.
+        owner = torch.repeat_interleave(torch.arange(len(entries)),
+                                        torch.tensor([n for _, n in entries]))
+        slots = table[owner, pos // bs].long() * bs + pos % bs
+        input_ids = torch.tensor(ids, dtype=torch.long)
+
+        if (self.graphs is not None and num_decodes == len(entries)
+                and len(entries) <= self.graphs.max_batch):
+            hidden = self.graphs.run(input_ids, pos, slots, seq_lens, table)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=slots.to(dev, non_blocking=True),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                block_tables=table.to(dev, non_blocking=True),
+                num_decodes=num_decodes,
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                max_seq_len=max(seq_lens),
+                max_query_len=max(n for _, n in entries),
+                decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
+            )
+            hidden = self.model(input_ids.to(dev, non_blocking=True),
+                                pos.to(dev, non_blocking=True), self.kv_caches, meta)
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        rows = [SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids)
+                for r in samplers]
+        out = self.sampler(logits, rows)
+        result = {}
+        for j, req in enumerate(samplers):
+            lp = None
+            if req.params.logprobs is not None and out.logprobs is not None:
+                lp = {out.token_ids[j]: out.logprobs[j]}
+                lp.update(out.top_logprobs[j] if out.top_logprobs else ())
+            result[req.request_id] = SampledToken(out.token_ids[j], lp)
+        return result
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed memory. On CPU, numpy's calloc maps zero pages lazily instead of writing
+    gigabytes up front. Zeros matter: padded attention reads unwritten slots with weight 0,
+    and 0 * NaN garbage would be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(shape[:-1] + (shape[-1] * item,), dtype=np.uint8))
+    return raw.view(dtype)
+
+
+def _single_prefill_meta(n: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for one n-token prompt whose K/V all go to the null block (profiling only)."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.zeros(1, -(-n // block_size), dtype=torch.int32, device=device),
+        num_decodes=0, query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_seq_len=n,
+        max_query_len=n, decode_max_seq_len=0,
+    )

@@ -1,0 +1,68 @@
+"""A request as the engine tracks it: its tokens, how many have KV, and its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """`token_ids` is prompt + output. The engine's one rule: `num_computed_tokens` (tokens
+    whose KV is in the cache) catches up to `num_tokens`; when it does, a token is sampled.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], priority: int = 0,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.eos_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.logprobs: list[dict[int, float]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def sort_key(self, priority_policy: bool) -> tuple:
+        """Smaller runs first: (priority, arrival) under the priority policy, else arrival."""
+        return (self.priority, self.arrival_time) if priority_policy else (self.arrival_time,)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,182 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens`,
+and each step spends a token budget to make it catch up with `num_tokens` (prompt plus
+output). Running requests go first (a decode costs one token), then waiting requests
+take what budget is left, in chunks. When the pool is out of blocks, the running request
+that would run last (the lowest priority, or the latest arrival) is preempted: its blocks
+are freed, its computed count is reset, and it goes back to the front of the waiting
+queue to recompute later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """Requests to run this step with their token counts, one-token entries first."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class WaitingQueue:
+    """FCFS: a list in arrival order. Priority: a heap on (priority, arrival)."""
+
+    def __init__(self, priority_policy: bool):
+        self.priority_policy = priority_policy
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._seq = itertools.count()
+
+    def push(self, request: Request, front: bool = False) -> None:
+        # A preempted request keeps its original arrival time, so under both policies it
+        # sorts ahead of everything that arrived after it: "back to the front".
+        del front  # its key already places it
+        heapq.heappush(self._heap, (request.sort_key(self.priority_policy), next(self._seq),
+                                    request))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[2] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[2] for e in sorted(self._heap))
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.priority_policy = policy == "priority"
+        self.waiting = WaitingQueue(self.priority_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        # 1. Running requests, in priority order, so a preemption victim is always taken
+        #    from the end: the request that would have run last.
+        self.running.sort(key=lambda r: r.sort_key(self.priority_policy))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        # 2. Waiting requests, while budget, sequence slots and blocks last. Not after a
+        #    preemption this step: the pool is short, and newcomers would only thrash it.
+        while (not out.preempted and budget > 0 and len(self.waiting)
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting.peek()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        self.num_partial_prefills += sum(
+            1 for r, n in scheduled if r.num_computed_tokens + n < r.num_tokens)
+        # One-token entries (decodes) first: the attention kernels batch them together.
+        out.scheduled = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.push(req, front=True)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts and append the sampled tokens. `sampled` maps request ids
+        to their new token for the requests that caught up this step. Returns the requests
+        that got a token; those that hit a stop condition are finished and freed.
+        """
+        got_token = []
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that has not reached the end yet
+            req.token_ids.append(token)
+            got_token.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish(req, status)
+        return got_token
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        if token in req.stop_ids or token in req.eos_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request for good: free its blocks and forget it. Safe to call once per id."""
+        if self.requests.pop(req.request_id, None) is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req

@@ -1,0 +1,96 @@
+"""The fast attention path and cache write against the pure-torch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import cpu, reference
+from kernels.metadata import AttentionMetadata
+
+
+def _make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: int,
+                head_dim: int, dtype: torch.dtype, decodes: int, prefills: int):
+    """Random requests with random cached prefixes, written through the reference."""
+    num_blocks = 1024
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    vc = torch.randn_like(kc)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    q_lens, seq_lens, tables = [], [], []
+    for i in range(decodes + prefills):
+        if i < decodes:
+            q_len, prefix = 1, rng.randint(0, 70)
+        else:
+            q_len, prefix = rng.randint(1, 40), rng.choice([0, rng.randint(1, 60)])
+        seq_len = prefix + q_len  # a prefix not a multiple of block_size starts mid-block
+        nb = (seq_len + block_size - 1) // block_size
+        tables.append([free.pop() for _ in range(nb)])
+        q_lens.append(q_len)
+        seq_lens.append(seq_len)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = [0]
+    slots = []
+    for t, q_len, seq_len in zip(tables, q_lens, seq_lens):
+        qsl.append(qsl[-1] + q_len)
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(t[p // block_size] * block_size + p % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table,
+        num_decodes=decodes,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+        decode_max_seq_len=max(seq_lens[:decodes], default=0),
+    )
+    n = qsl[-1]
+    q = torch.randn(n, num_kv_heads * group, head_dim, dtype=dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+    return q, k, v, kc, vc, meta
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 4), (3, 3), (4, 1)])
+@pytest.mark.parametrize("decodes,prefills", [(5, 0), (0, 4), (3, 3)])
+def test_attention_matches_reference(block_size, num_kv_heads, group, decodes, prefills):
+    rng = random.Random(hash((block_size, num_kv_heads, group, decodes, prefills)))
+    torch.manual_seed(rng.randint(0, 1 << 30))
+    head_dim = rng.choice([32, 64])
+    q, k, v, kc, vc, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
+                                        torch.float32, decodes, prefills)
+    kc2, vc2 = kc.clone(), vc.clone()
+    reference.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    cpu.reshape_and_cache(k, v, kc2, vc2, meta.slot_mapping)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    scale = head_dim**-0.5
+    want = reference.paged_attention(q, kc, vc, meta, scale)
+    got = cpu.paged_attention(q, kc2, vc2, meta, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_bf16_close_to_fp32_reference():
+    rng = random.Random(7)
+    q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
+    cpu.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    want = reference.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
+    got = cpu.paged_attention(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_cache_write_lands_in_the_right_slot():
+    kc = torch.zeros(4, 16, 2, 8)
+    vc = torch.zeros_like(kc)
+    key = torch.arange(3 * 2 * 8, dtype=torch.float32).view(3, 2, 8)
+    slots = torch.tensor([16 * 2 + 5, 16 * 3 + 0, 15])
+    cpu.reshape_and_cache(key, -key, kc, vc, slots)
+    assert torch.equal(kc[2, 5], key[0]) and torch.equal(kc[3, 0], key[1])
+    assert torch.equal(kc[0, 15], key[2]) and torch.equal(vc[0, 15], -key[2])
+    assert kc.abs().sum() == key.abs().sum()  # nothing else was written
