@@ -26,9 +26,14 @@ def reshape_and_cache(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[B, num_blocks] block ids -> [B, kv_heads, num_blocks * block_size, head_dim]."""
+    """[B, num_blocks] block ids -> [B, kv_heads, num_blocks * block_size, head_dim].
+
+    index_select on dim 0 copies whole blocks (contiguous rows): several times faster on
+    CPU than advanced indexing with a 2-D index.
+    """
     b = block_tables.shape[0]
-    g = cache[block_tables[:, :num_blocks]]  # [B, nb, bs, kvh, d]
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    g = torch.index_select(cache, 0, ids)  # [B * nb, bs, kvh, d]
     return g.view(b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
@@ -42,9 +47,12 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) 
     v = _gather(value_cache, tables, num_blocks)
     pos = torch.arange(num_blocks * block_size, device=query.device)
     mask = (pos[None, :] < meta.seq_lens[:n, None]).view(n, 1, 1, -1)
-    q = query[:n].unsqueeze(2)  # [n, H, 1, d]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[:n] = o.squeeze(2)
+    # GQA without repeating K/V: the `group` query heads that share a KV head become that
+    # head's query rows, [n, kv_heads, group, d]; they all see the same keys.
+    kv_heads, d = key_cache.shape[2], key_cache.shape[3]
+    q = query[:n].view(n, kv_heads, -1, d)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out[:n] = o.reshape(n, -1, d)
 
 
 def _prefill(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:

@@ -1,1 +1,1 @@
-"""KV transfer connectors (NIXL, gRPC fallback, in-memory fake). Filled by the gRPC services issue."""
+"""KV transfer connectors: NIXL, gRPC fallback, in-memory fake (the gRPC services issue)."""

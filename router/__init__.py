@@ -1,1 +1,1 @@
-"""Public front door (Generate API, routing, P/D orchestration). Filled by the gRPC services issue."""
+"""Public front door: Generate API, routing, P/D orchestration (the gRPC services issue)."""

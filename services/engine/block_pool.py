@@ -67,7 +67,7 @@ class FreeBlockQueue:
 class BlockPool:
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks (one is null), got {num_blocks}")
+            raise ValueError(f"a block pool needs >= 2 blocks (one is null), got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])

@@ -38,7 +38,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(prompts, params, strict=False):
                 ids.append(self.engine.add_request(prompt, p))
         except Exception:
             for rid in ids:

@@ -114,7 +114,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
-        for i, (req, n) in enumerate(entries):
+        for _i, (req, n) in enumerate(entries):
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
             positions.extend(range(start, start + n))

@@ -65,7 +65,9 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

@@ -34,7 +34,7 @@ def _make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: i
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     qsl = [0]
     slots = []
-    for t, q_len, seq_len in zip(tables, q_lens, seq_lens):
+    for t, q_len, seq_len in zip(tables, q_lens, seq_lens, strict=False):
         qsl.append(qsl[-1] + q_len)
         for p in range(seq_len - q_len, seq_len):
             slots.append(t[p // block_size] * block_size + p % block_size)

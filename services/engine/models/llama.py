@@ -71,15 +71,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [T, 1, d/2]: looked up once per forward pass."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, rope: RotaryEmbedding, dtype, device):
+    def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -88,15 +91,14 @@ class Attention(nn.Module):
         self.qkv_bias = (_param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
                          if c.attention_bias else None)
         self.o_weight = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.rope = rope
         self.scale = c.head_dim**-0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
+    def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(positions, q.view(t, self.num_heads, self.head_dim))
-        k = self.rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -117,15 +119,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, rope: RotaryEmbedding, dtype, device):
+    def __init__(self, c: ModelConfig, dtype, device):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(c, rope, dtype, device)
+        self.self_attn = Attention(c, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = MLP(c, dtype, device)
 
-    def forward(self, positions, x, kv_cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+    def forward(self, rope, x, kv_cache, meta, backend):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,9 +139,9 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype,
                                    device=device)
-        rope = RotaryEmbedding(config, max_positions, dtype, device)
+        self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rope, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
@@ -150,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] (normed) for the flat batch."""
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta, self.backend)
+        rope = self.rope(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
+            x = layer(rope, x, kv_cache, meta, self.backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

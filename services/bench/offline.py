@@ -1,0 +1,109 @@
+"""Offline throughput: Baton against HF transformers' static-batch generate, in one run.
+
+    python -m services.bench.offline [--workload w1] [--dtype bfloat16] [--json]
+
+Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
+every request producing exactly its output length. HF runs static batches of 16,
+left-padded, as in shared/BENCHMARKS.md. Throughput is output tokens per second of
+generation (model loading excluded). With --json the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+from services.bench.workloads import Workload, make_workload
+from services.engine import LLM, SamplingParams
+from services.engine.loader import load_checkpoint, resolve_model_path
+
+
+def run_baton(llm: LLM, wl: Workload) -> float:
+    params = SamplingParams(max_tokens=wl.output_len, temperature=0, ignore_eos=True)
+    llm.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != wl.num_output_tokens:
+        raise RuntimeError(f"Baton produced {produced} tokens, expected {wl.num_output_tokens}")
+    return produced / elapsed
+
+
+def build_hf_model(model: str | None, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config, weights = load_checkpoint(resolve_model_path(model))
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings, eos_token_id=list(config.eos_token_ids),
+        pad_token_id=config.eos_token_ids[0],
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_config)
+    hf.load_state_dict(dict(weights), strict=False, assign=True)
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.to(dtype).eval()
+
+
+def run_hf(hf, wl: Workload, batch_size: int = 16) -> float:
+    pad = hf.config.pad_token_id
+
+    def batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return ids, mask
+
+    def generate(prompts: list[list[int]], n: int) -> int:
+        ids, mask = batch(prompts)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - ids.shape[1]) * len(prompts)
+
+    generate([wl.prompts[0][:16]], 4)  # warm-up
+    start = time.perf_counter()
+    produced = sum(generate(wl.prompts[i:i + batch_size], wl.output_len)
+                   for i in range(0, len(wl.prompts), batch_size))
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Baton vs HF transformers, offline throughput")
+    ap.add_argument("--workload", default="w1")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
+    wl = make_workload(args.workload, llm.engine.model_config.vocab_size)
+    print(f"{wl.name}: {len(wl.prompts)} requests, {wl.output_len} output tokens each, "
+          f"{args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    baton = run_baton(llm, wl)
+    print(f"baton: {baton:8.1f} output tok/s", flush=True)
+    del llm
+    hf = build_hf_model(args.model, getattr(torch, args.dtype))
+    hf_tok_s = run_hf(hf, wl)
+    print(f"hf:    {hf_tok_s:8.1f} output tok/s", flush=True)
+    print(f"ratio: {baton / hf_tok_s:8.2f}x", flush=True)
+    if args.json:
+        print(json.dumps({"workload": wl.name, "dtype": args.dtype, "baton_tok_s": baton,
+                          "hf_tok_s": hf_tok_s, "ratio": baton / hf_tok_s}))
+
+
+if __name__ == "__main__":
+    main()
