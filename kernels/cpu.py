@@ -2,7 +2,7 @@
 
 Decodes (one new token each) are batched into one SDPA call over K/V padded to the longest
 sequence, with a length mask. Each prefill chunk gets its own call, with a causal mask
-shifted by the length of its cached prefix.
+shifted by the length of its cached prefix. Cache layout: see kernels/reference.py.
 """
 
 from __future__ import annotations
@@ -20,50 +20,57 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    kv_heads, num_blocks, block_size, d = key_cache.shape
+    # Row of (head h, slot s) in the [kv_heads * num_slots, d] view: h * num_slots + s.
+    heads = torch.arange(kv_heads, device=slot_mapping.device)[:, None] * (num_blocks * block_size)
+    rows = (heads + slot_mapping[None, :]).reshape(-1)
+    key_cache.view(-1, d).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, d))
+    value_cache.view(-1, d).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, d))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[B, num_blocks] block ids -> [B, kv_heads, num_blocks * block_size, head_dim].
+    """[B, num_blocks] block ids -> [kv_heads, B, num_blocks * block_size, head_dim].
 
-    index_select on dim 0 copies whole blocks (contiguous rows): several times faster on
-    CPU than advanced indexing with a 2-D index.
+    One index_select of whole (head, block) rows: contiguous copies, and each head's
+    tokens come out contiguous, as the matmuls inside SDPA want them.
     """
+    kv_heads, total_blocks, block_size, d = cache.shape
     b = block_tables.shape[0]
-    ids = block_tables[:, :num_blocks].reshape(-1)
-    g = torch.index_select(cache, 0, ids)  # [B * nb, bs, kvh, d]
-    return g.view(b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    heads = torch.arange(kv_heads, device=ids.device)[:, None] * total_blocks
+    rows = (heads + ids[None, :]).reshape(-1)
+    g = torch.index_select(cache.view(-1, block_size, d), 0, rows)
+    return g.view(kv_heads, b, -1, d)
 
 
 def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
     n = meta.num_decodes
-    block_size = key_cache.shape[1]
-    max_len = meta.decode_max_seq_len
-    num_blocks = (max_len + block_size - 1) // block_size
+    kv_heads, _, block_size, d = key_cache.shape
+    num_blocks = (meta.decode_max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:n]
-    k = _gather(key_cache, tables, num_blocks)
+    k = _gather(key_cache, tables, num_blocks)  # [kv_heads, n, L, d]
     v = _gather(value_cache, tables, num_blocks)
     pos = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (pos[None, :] < meta.seq_lens[:n, None]).view(n, 1, 1, -1)
+    pad = (pos[None, :] >= meta.seq_lens[:n, None]).view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
-    # head's query rows, [n, kv_heads, group, d]; they all see the same keys.
-    kv_heads, d = key_cache.shape[2], key_cache.shape[3]
-    q = query[:n].view(n, kv_heads, -1, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    out[:n] = o.reshape(n, -1, d)
+    # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
+    q = query[:n].view(n, kv_heads, -1, d).transpose(0, 1)
+    # Plain batched matmuls beat SDPA's flash kernel for a handful of query rows. Numerics
+    # as HF's eager attention: QK^T in the model dtype, softmax in fp32.
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(v.dtype)
+    out[:n] = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1, d)
 
 
 def _prefill(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
         num_blocks = (seq_len + block_size - 1) // block_size
         table = meta.block_tables[i : i + 1]
-        k = _gather(key_cache, table, num_blocks)[:, :, :seq_len]
-        v = _gather(value_cache, table, num_blocks)[:, :, :seq_len]
+        k = _gather(key_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
+        v = _gather(value_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,

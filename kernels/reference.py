@@ -1,7 +1,9 @@
 """Pure-torch reference kernels: slow, obvious, and the ground truth for every other path.
 
-KV cache layout (one tensor per layer for K and one for V):
-    cache[block_id, offset_in_block, kv_head, head_dim]
+KV cache layout, one tensor per layer for K and one for V, head-major:
+    cache[kv_head, block_id, offset_in_block, head_dim]
+Head-major keeps each head's tokens of a block contiguous, so gathering a request's
+blocks gives one contiguous [tokens, head_dim] matrix per head, ready for a matmul.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from kernels.metadata import AttentionMetadata
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     for t, slot in enumerate(slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
-        key_cache[block, offset] = key[t]
-        value_cache[block, offset] = value[t]
+        key_cache[:, block, offset] = key[t]
+        value_cache[:, block, offset] = value[t]
 
 
 def paged_attention(
@@ -33,24 +35,24 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix plus themselves."""
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     num_heads = query.shape[1]
-    group = num_heads // key_cache.shape[2]
+    group = num_heads // key_cache.shape[0]
     out = torch.empty_like(query)
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
         positions = torch.arange(seq_len)
         blocks = meta.block_tables[i].cpu().long()[positions // block_size]
-        k = key_cache[blocks, positions % block_size].float()  # [seq_len, kv_heads, d]
-        v = value_cache[blocks, positions % block_size].float()
-        k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
-        v = v.repeat_interleave(group, dim=1)
+        k = key_cache[:, blocks, positions % block_size].float()  # [kv_heads, seq_len, d]
+        v = value_cache[:, blocks, positions % block_size].float()
+        k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        v = v.repeat_interleave(group, dim=0)
         q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = torch.einsum("qhd,hkd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         allowed = positions[None, :] <= q_pos[:, None]  # [q, k]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        out[start:end] = torch.einsum("hqk,hkd->qhd", probs, v).to(query.dtype)
     return out

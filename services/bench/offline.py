@@ -47,9 +47,10 @@ def build_hf_model(model: str | None, dtype: torch.dtype):
         tie_word_embeddings=config.tie_word_embeddings, eos_token_id=list(config.eos_token_ids),
         pad_token_id=config.eos_token_ids[0],
     )
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(hf_config)
-    hf.load_state_dict(dict(weights), strict=False, assign=True)
+    hf = LlamaForCausalLM(hf_config)
+    missing, _ = hf.load_state_dict(dict(weights), strict=False)
+    if set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF model did not get weights for {missing[:5]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
     return hf.to(dtype).eval()

@@ -5,6 +5,9 @@ of 8 up to 64 and of 16 beyond). Padding rows write their K/V to slot 0 of the n
 block and attend to that one slot only, so they cannot touch any request's cache.
 The attention kernel runs over the block table's full width (the graph is fixed), with
 each row masked to its own length.
+
+Without CUDA nothing is captured and `run` executes the same padded, full-width batch
+eagerly: that is how the padding logic is tested on CPU.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class CudaGraphRunner:
         self.pool = None
 
     def _meta(self, n: int) -> AttentionMetadata:
-        width = self.max_blocks * self.kv_caches[0].shape[2]
+        width = self.max_blocks * self.kv_caches[0].shape[3]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
             seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n], num_decodes=n,
@@ -56,6 +59,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if self.device.type != "cuda":
+            return
         # Largest first, so smaller graphs reuse the memory pool the largest one made.
         for n in reversed(self.buckets):
             meta = self._meta(n)
@@ -88,5 +93,10 @@ class CudaGraphRunner:
         self.slot_mapping[n:bucket].zero_()
         self.seq_lens[n:bucket].fill_(1)
         self.block_tables[n:bucket].zero_()
-        self.graphs[bucket].replay()
+        graph = self.graphs.get(bucket)
+        if graph is None:  # not captured (CPU): run the padded batch eagerly
+            meta = self._meta(bucket)
+            return self.model(self.input_ids[:bucket], self.positions[:bucket],
+                              self.kv_caches, meta)[:n]
+        graph.replay()
         return self.outputs[bucket][:n]

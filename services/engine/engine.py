@@ -122,8 +122,11 @@ class LLMEngine:
                 req.logprobs.append(s.logprobs or {})
             detok = self._detok[req.request_id]
             delta = detok.update([s.token_id])
-            if detok.stop_matched is not None and not req.status.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if detok.stop_matched is not None:
+                if not req.status.finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                else:  # a length limit on the same token: the stop string wins (as vLLM)
+                    req.status = RequestStatus.FINISHED_STOPPED
             elif req.status.finished:
                 delta += detok.flush()
             outputs.append(self._output(req, [s.token_id], delta, detok))
@@ -147,6 +150,6 @@ class LLMEngine:
             new_text=delta,
             finish_reason=req.status.value if finished else None,
             stop_reason=stop_reason,
-            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             num_preemptions=req.num_preemptions,
         )

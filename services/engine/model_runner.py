@@ -69,7 +69,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, 4096)
-        dummy = [torch.zeros(2, 1, self.block_size, self.mc.num_kv_heads, self.mc.head_dim,
+        dummy = [torch.zeros(2, self.mc.num_kv_heads, 1, self.block_size, self.mc.head_dim,
                              dtype=self.dtype, device=self.device)
                  for _ in range(self.mc.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -86,8 +86,8 @@ class ModelRunner:
         return max(0, budget // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # One tensor per layer: [K|V, block, offset in block, kv head, head dim].
-        shape = (2, num_blocks, self.block_size, self.mc.num_kv_heads, self.mc.head_dim)
+        # One tensor per layer: [K|V, kv head, block, offset in block, head dim].
+        shape = (2, self.mc.num_kv_heads, num_blocks, self.block_size, self.mc.head_dim)
         self.kv_caches = [_zeros(shape, self.dtype, self.device)
                           for _ in range(self.mc.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks,

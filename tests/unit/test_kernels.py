@@ -15,7 +15,7 @@ def _make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: i
                 head_dim: int, dtype: torch.dtype, decodes: int, prefills: int):
     """Random requests with random cached prefixes, written through the reference."""
     num_blocks = 1024
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    kc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
     vc = torch.randn_like(kc)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -86,11 +86,11 @@ def test_attention_bf16_close_to_fp32_reference():
 
 
 def test_cache_write_lands_in_the_right_slot():
-    kc = torch.zeros(4, 16, 2, 8)
+    kc = torch.zeros(2, 4, 16, 8)  # [kv_heads, blocks, block_size, head_dim]
     vc = torch.zeros_like(kc)
-    key = torch.arange(3 * 2 * 8, dtype=torch.float32).view(3, 2, 8)
+    key = torch.arange(1, 3 * 2 * 8 + 1, dtype=torch.float32).view(3, 2, 8)
     slots = torch.tensor([16 * 2 + 5, 16 * 3 + 0, 15])
     cpu.reshape_and_cache(key, -key, kc, vc, slots)
-    assert torch.equal(kc[2, 5], key[0]) and torch.equal(kc[3, 0], key[1])
-    assert torch.equal(kc[0, 15], key[2]) and torch.equal(vc[0, 15], -key[2])
+    assert torch.equal(kc[:, 2, 5], key[0]) and torch.equal(kc[:, 3, 0], key[1])
+    assert torch.equal(kc[:, 0, 15], key[2]) and torch.equal(vc[:, 0, 15], -key[2])
     assert kc.abs().sum() == key.abs().sum()  # nothing else was written
