@@ -3,7 +3,7 @@
 Every backend offers the same two functions as `kernels.reference`, and is tested
 against it:
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    paged_attention(query, key_cache, value_cache, meta, scale) -> output
+    paged_attention(query, key, value, key_cache, value_cache, meta, scale) -> output
 """
 
 from __future__ import annotations

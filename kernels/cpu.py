@@ -62,20 +62,23 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) 
     out[:n] = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1, d)
 
 
-def _prefill(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
+def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
+             out) -> None:
     block_size = key_cache.shape[2]
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
-        num_blocks = (seq_len + block_size - 1) // block_size
-        table = meta.block_tables[i : i + 1]
-        k = _gather(key_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
-        v = _gather(value_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
-        if q_len == seq_len:
+        if q_len == seq_len:  # nothing cached before: the new K/V are the whole sequence
+            k = key[start:end].transpose(0, 1).unsqueeze(0)
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
+            num_blocks = (seq_len + block_size - 1) // block_size
+            table = meta.block_tables[i : i + 1]
+            k = _gather(key_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
+            v = _gather(value_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
             # New token j sits at position seq_len - q_len + j; it sees keys at <= that.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
@@ -87,6 +90,8 @@ def _prefill(query, key_cache, value_cache, meta: AttentionMetadata, scale, out)
 
 def paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -96,5 +101,5 @@ def paged_attention(
     if meta.num_decodes:
         _decode(query, key_cache, value_cache, meta, scale, out)
     if meta.num_seqs > meta.num_decodes:
-        _prefill(query, key_cache, value_cache, meta, scale, out)
+        _prefill(query, key, value, key_cache, value_cache, meta, scale, out)
     return out

@@ -29,12 +29,18 @@ def reshape_and_cache(
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V, already
+    value: torch.Tensor,  # in the cache; a backend may use them to skip a gather
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cached prefix plus themselves."""
+    """Causal attention of each request's new tokens over its cached prefix plus themselves.
+
+    Reads everything from the cache (after reshape_and_cache), ignoring `key`/`value`.
+    """
+    del key, value
     block_size = key_cache.shape[2]
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[0]

@@ -45,7 +45,7 @@ def test_padded_full_width_decode_equals_plain_decode(llm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="no CUDA device: capture and replay need a GPU (scripts/gpu_check.sh)")
+                    reason="no CUDA device: CUDA graph capture and replay need a GPU")
 def test_cuda_graphs_equal_eager_on_gpu(make_llm):
     eager = make_llm(dtype="float32", enforce_eager=True, max_num_seqs=8)
     graphed = make_llm(dtype="float32", enforce_eager=False, max_num_seqs=8)

@@ -71,8 +71,8 @@ def test_attention_matches_reference(block_size, num_kv_heads, group, decodes, p
     cpu.reshape_and_cache(k, v, kc2, vc2, meta.slot_mapping)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     scale = head_dim**-0.5
-    want = reference.paged_attention(q, kc, vc, meta, scale)
-    got = cpu.paged_attention(q, kc2, vc2, meta, scale)
+    want = reference.paged_attention(q, k, v, kc, vc, meta, scale)
+    got = cpu.paged_attention(q, k, v, kc2, vc2, meta, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -80,8 +80,9 @@ def test_attention_bf16_close_to_fp32_reference():
     rng = random.Random(7)
     q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
     cpu.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
-    got = cpu.paged_attention(q, kc, vc, meta, 0.125)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(),
+                                    meta, 0.125)
+    got = cpu.paged_attention(q, k, v, kc, vc, meta, 0.125)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 

@@ -102,7 +102,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = backend.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        o = backend.paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
         return F.linear(o.reshape(t, self.q_size), self.o_weight)
 
 
