@@ -43,23 +43,38 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
     return g.view(kv_heads, b, -1, d)
 
 
+# Decodes are padded to the longest sequence of their group; groups of this many rows keep
+# the padding small when the runner sorts decodes by length.
+DECODE_GROUP = 32
+
+
 def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
     n = meta.num_decodes
+    graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
+    for a in range(0, n, DECODE_GROUP):
+        b = min(n, a + DECODE_GROUP)
+        # A CUDA graph fixes the width for every row: decode_max_seq_len, not the group's.
+        max_len = meta.decode_max_seq_len if graph_width else max(meta.seq_lens_cpu[a:b])
+        _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len)
+
+
+def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len) -> None:
+    n = b - a
     kv_heads, _, block_size, d = key_cache.shape
-    num_blocks = (meta.decode_max_seq_len + block_size - 1) // block_size
-    tables = meta.block_tables[:n]
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[a:b]
     k = _gather(key_cache, tables, num_blocks)  # [kv_heads, n, L, d]
     v = _gather(value_cache, tables, num_blocks)
     pos = torch.arange(num_blocks * block_size, device=query.device)
-    pad = (pos[None, :] >= meta.seq_lens[:n, None]).view(1, n, 1, -1)
+    pad = (pos[None, :] >= meta.seq_lens[a:b, None]).view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
     # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
-    q = query[:n].view(n, kv_heads, -1, d).transpose(0, 1)
+    q = query[a:b].view(n, kv_heads, -1, d).transpose(0, 1)
     # Plain batched matmuls beat SDPA's flash kernel for a handful of query rows. Numerics
     # as HF's eager attention: QK^T in the model dtype, softmax in fp32.
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
     probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(v.dtype)
-    out[:n] = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1, d)
+    out[a:b] = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1, d)
 
 
 def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,

@@ -105,7 +105,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
+        # Decodes sorted by length, so the attention kernel pads each group of them little.
         entries = sched.scheduled
+        num_decodes = next((i for i, (_, n) in enumerate(entries) if n > 1), len(entries))
+        entries = (sorted(entries[:num_decodes], key=lambda e: e[0].num_computed_tokens)
+                   + entries[num_decodes:])
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -124,7 +128,6 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(req)
-        num_decodes = next((i for i, (_, n) in enumerate(entries) if n > 1), len(entries))
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
