@@ -1,6 +1,7 @@
 """Offline throughput: Baton against HF transformers' static-batch generate, in one run.
 
     python -m services.bench.offline [--workload w1] [--dtype bfloat16] [--json]
+    python -m services.bench.offline --workload w2     # prefix caching off, then on
 
 Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
 every request producing exactly its output length. HF runs static batches of 16,
@@ -28,6 +29,7 @@ from services.engine.loader import load_checkpoint, resolve_model_path
 def run_baton(llm: LLM, wl: Workload) -> float:
     params = SamplingParams(max_tokens=wl.output_len, temperature=0, ignore_eos=True)
     llm.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+    llm.reset_prefix_cache()  # the warm-up must not seed the cache
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, params)
     elapsed = time.perf_counter() - start
@@ -35,6 +37,26 @@ def run_baton(llm: LLM, wl: Workload) -> float:
     if produced != wl.num_output_tokens:
         raise RuntimeError(f"Baton produced {produced} tokens, expected {wl.num_output_tokens}")
     return produced / elapsed
+
+
+def run_prefix_caching(args) -> None:
+    """W2 through Baton with prefix caching off, then on, in the same run."""
+    results = {}
+    for enabled in (False, True):
+        llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                  enable_prefix_caching=enabled)
+        wl = make_workload(args.workload, llm.engine.model_config.vocab_size)
+        tok_s = run_baton(llm, wl)
+        stats = llm.engine.prefix_cache_stats()
+        results[enabled] = (tok_s, stats["hit_rate"])
+        print(f"caching {'on ' if enabled else 'off'}: {tok_s:8.1f} output tok/s, "
+              f"hit rate {stats['hit_rate']:.1%}", flush=True)
+        del llm
+    (off, _), (on, hit_rate) = results[False], results[True]
+    print(f"ratio: {on / off:8.2f}x", flush=True)
+    if args.json:
+        print(json.dumps({"workload": "W2", "dtype": args.dtype, "caching_off_tok_s": off,
+                          "caching_on_tok_s": on, "ratio": on / off, "hit_rate": hit_rate}))
 
 
 def build_hf_model(model: str | None, dtype: torch.dtype):
@@ -94,6 +116,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
 
+    if args.workload.lower() == "w2":
+        run_prefix_caching(args)
+        return
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
     wl = make_workload(args.workload, llm.engine.model_config.vocab_size)
     print(f"{wl.name}: {len(wl.prompts)} requests, {wl.output_len} output tokens each, "

@@ -4,6 +4,10 @@ Block 0 is the null block: it pads block tables and is never handed out. Freed b
 go to the tail of the free queue and new blocks come from its head, so the block freed
 longest ago is reused first. The queue is a doubly linked list through the blocks
 themselves, so a block can leave it from the middle in O(1) (a prefix-cache hit).
+
+Prefix cache: a full block may carry a hash (see block_hash.py) and sit in the
+`hash -> block` map. It stays cached while free, in LRU order, until the pool hands it
+out again; only then (lazily) is its map entry removed.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from collections.abc import Iterable
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -71,6 +76,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -87,9 +94,40 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None:  # lazy eviction of a cached free block
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def get_cached(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free one leaves the queue's middle."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Publish a full block under its hash. If an equal block is already published, the
+        first one stays the cache entry and this one simply is not shared."""
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash; blocks in use keep their data but will not be shared."""
+        n = len(self.cached)
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return n
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; a block at zero joins the tail of the free queue.

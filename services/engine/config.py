@@ -28,6 +28,7 @@ class EngineConfig:
     kv_cache_gib: float = 4.0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
     attention_backend: str | None = None

@@ -47,7 +47,7 @@ class LLMEngine:
         self.max_model_len = min(max_len, capacity)
         self.runner.allocate_kv_cache(num_blocks)
         self.pool = BlockPool(num_blocks)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
@@ -59,7 +59,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Validate and queue a request; raise ValueError (nothing queued) on bad input."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -75,7 +76,10 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(request_id, token_ids, params, self.model_config.eos_token_ids, priority)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        req = Request(request_id, token_ids, params, self.model_config.eos_token_ids, priority,
+                      cache_salt=cache_salt)
         self.scheduler.add_request(req)  # raises on a duplicate id, before anything else
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, stop=params.stop,
@@ -105,6 +109,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # ---- prefix cache ---------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many cached blocks were dropped."""
+        return self.pool.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Token hits and queries since start, the hit rate, and evicted cached blocks."""
+        q, h = self.kv.num_queries, self.kv.num_hits
+        return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0,
+                "evictions": self.pool.num_evictions}
 
     # ---- the step -------------------------------------------------------------------
 
@@ -151,5 +167,6 @@ class LLMEngine:
             finish_reason=req.status.value if finished else None,
             stop_reason=stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
         )

@@ -22,6 +22,7 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | Sequence[str | None] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
@@ -36,10 +37,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if cache_salt is None or isinstance(cache_salt, str):
+            salts = [cache_salt] * len(prompts)
+        else:
+            salts = list(cache_salt)
+            if len(salts) != len(prompts):
+                raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=False):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, salt in zip(prompts, params, salts, strict=True):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -50,6 +57,9 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
 
     def chat(self, messages: list[dict[str, str]],
              sampling_params: SamplingParams | None = None) -> RequestOutput:

@@ -29,7 +29,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -46,6 +46,10 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] = []
+        # Prefix cache: the salt keeps requests with different salts from sharing blocks.
+        self.cache_salt = cache_salt.encode() if cache_salt else b""
+        self.block_hashes: list[bytes] = []  # one per full block of token_ids, chained
+        self.num_cached_tokens = -1  # prompt tokens found cached at first admission
 
     @property
     def num_tokens(self) -> int:

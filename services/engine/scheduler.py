@@ -116,9 +116,16 @@ class Scheduler:
         while (not out.preempted and budget > 0 and len(self.waiting)
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            # Prefix-cache hits cost no budget: only the tokens after them are computed.
+            hits = self.kv.get_computed_blocks(req)
+            num_cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, hits):
                 break
+            self.kv.record_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

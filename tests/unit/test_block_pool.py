@@ -28,7 +28,8 @@ def _queue_ids(pool: BlockPool) -> list[int]:
 
 
 def _req(request_id: str = "r", computed: int = 0):
-    return SimpleNamespace(request_id=request_id, num_computed_tokens=computed)
+    return SimpleNamespace(request_id=request_id, num_computed_tokens=computed, token_ids=[],
+                           block_hashes=[], cache_salt=b"")
 
 
 # ---- BlockPool / FreeBlockQueue ------------------------------------------------------
