@@ -48,33 +48,73 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 DECODE_GROUP = 32
 
 
+def _shared_blocks(meta: AttentionMetadata, n: int, block_size: int) -> int:
+    """How many leading blocks every decode row has in common (a shared cached prefix),
+    counting only blocks that each row fills completely."""
+    full = min(meta.seq_lens_cpu[:n]) // block_size
+    if n < 2 or full == 0:
+        return 0
+    tables = meta.block_tables[:n, :full]
+    return int((tables == tables[:1]).all(0).int().cumprod(0).sum())
+
+
 def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
     n = meta.num_decodes
+    block_size = key_cache.shape[2]
     graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
+    # Cascade attention: K/V of blocks that every row shares are gathered once, and every
+    # query meets them in one large matmul, instead of once per row.
+    shared = 0 if graph_width else _shared_blocks(meta, n, block_size)
+    prefix = None
+    if shared:
+        table = meta.block_tables[:1, :shared]
+        prefix = (_gather(key_cache, table, shared)[:, 0],
+                  _gather(value_cache, table, shared)[:, 0])
     for a in range(0, n, DECODE_GROUP):
         b = min(n, a + DECODE_GROUP)
         # A CUDA graph fixes the width for every row: decode_max_seq_len, not the group's.
         max_len = meta.decode_max_seq_len if graph_width else max(meta.seq_lens_cpu[a:b])
-        _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len)
+        _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len,
+                      shared, prefix)
 
 
-def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len) -> None:
+def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len, shared,
+                  prefix) -> None:
+    """Rows a..b attend over `shared` common blocks (K/V in `prefix`) and then each over its
+    own remaining blocks, padded to the group's longest row:
+
+        keys:  | shared blocks, one copy for all rows | own blocks, gathered per row |
+    """
     n = b - a
     kv_heads, _, block_size, d = key_cache.shape
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[a:b]
-    k = _gather(key_cache, tables, num_blocks)  # [kv_heads, n, L, d]
-    v = _gather(value_cache, tables, num_blocks)
-    pos = torch.arange(num_blocks * block_size, device=query.device)
+    tables = meta.block_tables[a:b, shared:]
+    k = _gather(key_cache, tables, num_blocks - shared)  # [kv_heads, n, L_own, d]
+    v = _gather(value_cache, tables, num_blocks - shared)
+    pos = torch.arange(shared * block_size, num_blocks * block_size, device=query.device)
     pad = (pos[None, :] >= meta.seq_lens[a:b, None]).view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
     # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
     q = query[a:b].view(n, kv_heads, -1, d).transpose(0, 1)
+    group = q.shape[2]
     # Plain batched matmuls beat SDPA's flash kernel for a handful of query rows. Numerics
     # as HF's eager attention: QK^T in the model dtype, softmax in fp32.
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(v.dtype)
-    out[a:b] = torch.matmul(probs, v).transpose(0, 1).reshape(n, -1, d)
+    own = torch.matmul(q, k.transpose(-1, -2))
+    if prefix is None:
+        scores = own.float().mul_(scale)
+        probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v)
+    else:
+        pk, pv = prefix  # [kv_heads, L_shared, d]
+        common = torch.matmul(q.reshape(kv_heads, n * group, d), pk.transpose(-1, -2))
+        common = common.view(kv_heads, n, group, -1)
+        own = own.float().mul_(scale).masked_fill_(pad, float("-inf"))
+        scores = torch.cat((common.float().mul_(scale), own), dim=-1)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        p_common, p_own = probs.split([common.shape[-1], own.shape[-1]], dim=-1)
+        o = torch.matmul(p_common.reshape(kv_heads, n * group, -1), pv).view_as(q)
+        o = o + torch.matmul(p_own, v)
+    out[a:b] = o.transpose(0, 1).reshape(n, -1, d)
 
 
 def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,

@@ -95,3 +95,38 @@ def test_cache_write_lands_in_the_right_slot():
     assert torch.equal(kc[:, 2, 5], key[0]) and torch.equal(kc[:, 3, 0], key[1])
     assert torch.equal(kc[:, 0, 15], key[2]) and torch.equal(vc[:, 0, 15], -key[2])
     assert kc.abs().sum() == key.abs().sum()  # nothing else was written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_blocks", [1, 3])
+def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
+    """Rows whose tables start with the same physical blocks (a cached prefix) take the
+    cascade path: shared K/V read once. Same result as the reference."""
+    torch.manual_seed(shared_blocks)
+    bs, kvh, group, d, n = 16, 3, 3, 64, 40  # 40 rows: more than one decode group
+    kc = torch.randn(kvh, 512, bs, d, dtype=dtype)
+    vc = torch.randn_like(kc)
+    prefix = list(range(1, shared_blocks + 1))
+    next_block = shared_blocks + 1
+    tables, lens = [], []
+    for i in range(n):
+        length = shared_blocks * bs + 1 + (i * 7) % 50
+        own = -(-length // bs) - shared_blocks
+        tables.append(prefix + list(range(next_block, next_block + own)))
+        next_block += own
+        lens.append(length)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, num_decodes=n,
+        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=lens, max_seq_len=max(lens),
+        max_query_len=1, decode_max_seq_len=max(lens),
+    )
+    assert cpu._shared_blocks(meta, n, bs) == shared_blocks
+    q = torch.randn(n, kvh * group, d, dtype=dtype)
+    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
+    got = cpu.paged_attention(q, None, None, kc, vc, meta, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
