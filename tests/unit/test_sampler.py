@@ -251,7 +251,8 @@ def test_logprobs_are_raw_and_top_n_match_topk():
 # --- device ---------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: the GPU sampling path needs one")
 def test_cuda_matches_cpu_with_cpu_generators():
     logits = torch.randn(4, 1000, generator=gen(51))
     rows = lambda: [row(seed=5, temperature=0.9, top_p=0.8), row(temperature=0.0),  # noqa: E731
