@@ -53,6 +53,7 @@ class ModelRunner:
                              f"supported: {sorted(MODELS)}")
         self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
         self.model.load_weights(weights)
+        self.model.prepack_weights()
         self.model.eval()
         gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(gen)

@@ -19,6 +19,26 @@ from kernels.metadata import AttentionMetadata
 from services.engine.model_config import ModelConfig
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through oneDNN's prepacked copy of the weight when there is
+    one (CPU, bf16/fp16: the same result, without repacking the weight on every call)."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a linear weight, or None where that path does not apply."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialized: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -92,10 +112,11 @@ class Attention(nn.Module):
                          if c.attention_bias else None)
         self.o_weight = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
         self.scale = c.head_dim**-0.5
+        self.packed: dict[str, torch.Tensor | None] = {}
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.packed.get("qkv"), self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
@@ -103,7 +124,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = backend.paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
-        return F.linear(o.reshape(t, self.q_size), self.o_weight)
+        return linear(o.reshape(t, self.q_size), self.o_weight, self.packed.get("o"))
 
 
 class MLP(nn.Module):
@@ -112,10 +133,11 @@ class MLP(nn.Module):
         self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype,
                                      device=device)
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        self.packed: dict[str, torch.Tensor | None] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight, self.packed.get("gate_up")).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight, self.packed.get("down"))
 
 
 class DecoderLayer(nn.Module):
@@ -147,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, dtype=dtype,
                                     device=device))
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -158,7 +181,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, self.lm_head_packed).float()
+
+    def prepack_weights(self) -> None:
+        """Keep oneDNN-packed copies of every linear weight, where that path applies.
+        Costs a second copy of those weights in memory; call after load_weights."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.packed = {"qkv": prepack(attn.qkv_weight), "o": prepack(attn.o_weight)}
+            mlp.packed = {"gate_up": prepack(mlp.gate_up_weight), "down": prepack(mlp.down_weight)}
+        self.lm_head_packed = prepack(self.lm_head)
 
     _TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
 
