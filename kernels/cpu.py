@@ -48,23 +48,12 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 DECODE_GROUP = 32
 
 
-def _shared_blocks(meta: AttentionMetadata, n: int, block_size: int) -> int:
-    """How many leading blocks every decode row has in common (a shared cached prefix),
-    counting only blocks that each row fills completely."""
-    full = min(meta.seq_lens_cpu[:n]) // block_size
-    if n < 2 or full == 0:
-        return 0
-    tables = meta.block_tables[:n, :full]
-    return int((tables == tables[:1]).all(0).int().cumprod(0).sum())
-
-
 def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
     n = meta.num_decodes
-    block_size = key_cache.shape[2]
     graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
     # Cascade attention: K/V of blocks that every row shares are gathered once, and every
     # query meets them in one large matmul, instead of once per row.
-    shared = 0 if graph_width else _shared_blocks(meta, n, block_size)
+    shared = meta.num_shared_blocks
     prefix = None
     if shared:
         table = meta.block_tables[:1, :shared]

@@ -20,6 +20,18 @@ from dataclasses import dataclass
 import torch
 
 
+def count_shared_blocks(block_tables: torch.Tensor, seq_lens: list[int],
+                        block_size: int) -> int:
+    """How many leading blocks all rows of a (host) block table share, counting only
+    blocks that every row fills completely."""
+    n = len(seq_lens)
+    full = min(seq_lens, default=0) // block_size
+    if n < 2 or full == 0:
+        return 0
+    tables = block_tables[:n, :full]
+    return int((tables == tables[:1]).all(0).int().cumprod(0).sum())
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -35,6 +47,10 @@ class AttentionMetadata:
     # Longest sequence among the decodes. A CUDA graph is captured once for all lengths, so
     # it passes the block table's full width instead.
     decode_max_seq_len: int
+    # Leading blocks that every decode's table has in common (a shared cached prefix):
+    # the kernel reads them once for all decodes. Counted on the host by the runner;
+    # 0 in a CUDA graph, whose tables change under it.
+    num_shared_blocks: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -55,6 +55,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n], num_decodes=n,
             query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[width] * n,
             max_seq_len=width, max_query_len=1, decode_max_seq_len=width,
+            num_shared_blocks=0,
         )
 
     @torch.inference_mode()

@@ -52,10 +52,15 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:  # an error or Ctrl-C mid-run must not leave requests holding blocks
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
         return [final[i] for i in ids]
 
     def reset_prefix_cache(self) -> int:

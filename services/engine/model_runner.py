@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import kernels
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, count_shared_blocks
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphRunner
 from services.engine.kv_cache_manager import KVCacheManager
@@ -69,15 +69,16 @@ class ModelRunner:
         # then give the KV cache what is left of gpu_memory_utilization * total.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens, 4096)
+        n = self.config.max_num_batched_tokens
         dummy = [torch.zeros(2, self.mc.num_kv_heads, 1, self.block_size, self.mc.head_dim,
                              dtype=self.dtype, device=self.device)
                  for _ in range(self.mc.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = _single_prefill_meta(n, self.block_size, self.device)
         with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device),
-                                                 dummy, meta))
+            # Positions wrap at the RoPE table's length (max_model_len may be < n).
+            positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
+            self.model.compute_logits(self.model(ids, positions, dummy, meta))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -153,6 +154,7 @@ class ModelRunner:
                 max_seq_len=max(seq_lens),
                 max_query_len=max(n for _, n in entries),
                 decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
+                num_shared_blocks=count_shared_blocks(table, seq_lens[:num_decodes], bs),
             )
             hidden = self.model(input_ids.to(dev, non_blocking=True),
                                 pos.to(dev, non_blocking=True), self.kv_caches, meta)

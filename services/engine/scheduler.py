@@ -122,10 +122,10 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
-            self.kv.record_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
                 req.num_cached_tokens = num_cached
+                self.kv.record_lookup(req.num_tokens, num_cached)
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -29,6 +29,7 @@ def test_padded_full_width_decode_equals_plain_decode(llm):
     rows writing to the null block, give exactly the unpadded result."""
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = _prompts(llm, 5)  # 5 decodes pad to the bucket of 8
+    prompts = [prompts[4] + p for p in prompts]  # a shared cached prefix, as in the field
     want = [o.token_ids for o in llm.generate(prompts, params)]
     runner = llm.engine.runner
     graphs = CudaGraphRunner(runner.model, runner.kv_caches, 16, 8, runner.device)

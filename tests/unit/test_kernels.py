@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu, reference
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, count_shared_blocks
 
 
 def _make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: int,
@@ -123,8 +123,9 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, num_decodes=n,
         query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=lens, max_seq_len=max(lens),
         max_query_len=1, decode_max_seq_len=max(lens),
+        num_shared_blocks=count_shared_blocks(table, lens, bs),
     )
-    assert cpu._shared_blocks(meta, n, bs) == shared_blocks
+    assert meta.num_shared_blocks == shared_blocks
     q = torch.randn(n, kvh * group, d, dtype=dtype)
     want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
     got = cpu.paged_attention(q, None, None, kc, vc, meta, 0.125)

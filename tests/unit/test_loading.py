@@ -3,6 +3,7 @@ directory (llama3 RoPE scaling, GQA, untied embeddings) against HF's model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,3 +73,14 @@ def test_hf_directory_with_llama3_rope_matches_hf(tmp_path, llm):
                               min_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out.token_ids == ref[0, len(prompt):].tolist()
     tiny.engine.pool.check_all_free()
+
+
+def test_a_missing_part_of_a_fused_weight_is_an_error(model_path):
+    from services.engine.loader import load_checkpoint
+    from services.engine.models.llama import LlamaForCausalLM
+
+    config, weights = load_checkpoint(model_path)
+    model = LlamaForCausalLM(config, 64, torch.float32, torch.device("cpu"), None)
+    partial = ((n, w) for n, w in weights if n != "model.layers.3.self_attn.k_proj.weight")
+    with pytest.raises(ValueError, match="layers.3.self_attn.qkv_weight"):
+        model.load_weights(partial)

@@ -196,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises if any is missing."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises if any row of any
+        parameter (a part of a fused one included) was not loaded."""
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         fused = {  # HF suffix -> (our attribute, row offset)
@@ -206,8 +207,7 @@ class LlamaForCausalLM(nn.Module):
             "mlp.down_proj": ("mlp.down", 0),
         }
         params = dict(self.named_parameters(remove_duplicate=False))
-        expected = set(params)
-        loaded: set[str] = set()
+        rows: dict[str, int] = dict.fromkeys(params, 0)  # rows loaded per parameter
         for name, w in weights:
             if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
                 continue
@@ -227,10 +227,10 @@ class LlamaForCausalLM(nn.Module):
             if dst.shape != w.shape:
                 raise ValueError(f"weight {name}: shape {tuple(w.shape)} != {tuple(dst.shape)}")
             dst.copy_(w)
-            loaded.add(target)
+            rows[target] += w.shape[0]
         if c.tie_word_embeddings:
-            loaded.add("lm_head")
-        missing = expected - loaded
+            rows["lm_head"] = rows["embed_tokens"]
+        missing = [n for n, p in params.items() if rows[n] != p.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
 
