@@ -106,10 +106,24 @@ def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len
     out[a:b] = o.transpose(0, 1).reshape(n, -1, d)
 
 
+def _prefix_len(meta: AttentionMetadata, i: int) -> int:
+    return meta.seq_lens_cpu[i] - (meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i])
+
+
 def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
              out) -> None:
     block_size = key_cache.shape[2]
-    for i in range(meta.num_decodes, meta.num_seqs):
+    # Chunks with at least one cached block share meta.num_shared_prefill_blocks leading
+    # blocks (the runner counted them); those are gathered once for all of them.
+    shared = meta.num_shared_prefill_blocks
+    prefix = None
+    rows = range(meta.num_decodes, meta.num_seqs)
+    first = next((i for i in rows if _prefix_len(meta, i) >= block_size), None)
+    if shared and first is not None:
+        table = meta.block_tables[first:first + 1, :shared]
+        prefix = (_gather(key_cache, table, shared)[:, 0],
+                  _gather(value_cache, table, shared)[:, 0])
+    for i in rows:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
@@ -118,6 +132,11 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
             v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
+        elif prefix is not None and seq_len - q_len >= block_size:
+            out[start:end] = _prefill_after_shared(query[start:end], key_cache, value_cache,
+                                                   meta.block_tables[i], seq_len, shared,
+                                                   prefix, scale)
+            continue
         else:
             num_blocks = (seq_len + block_size - 1) // block_size
             table = meta.block_tables[i : i + 1]
@@ -130,6 +149,35 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
+
+
+def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, prefix, scale):
+    """One chunk of q_len new tokens whose first `shared` blocks are the shared prefix:
+
+        keys:  | shared blocks (gathered once) | own cached blocks + new tokens, causal |
+
+    The shared keys all precede every new token, so they need no mask.
+    """
+    kv_heads, _, block_size, d = key_cache.shape
+    q_len, num_heads = q.shape[0], q.shape[1]
+    group = num_heads // kv_heads
+    pk, pv = prefix
+    start = shared * block_size
+    num_blocks = (seq_len + block_size - 1) // block_size
+    own_table = table[shared:num_blocks].unsqueeze(0)
+    k = _gather(key_cache, own_table, num_blocks - shared)[:, 0, :seq_len - start]
+    v = _gather(value_cache, own_table, num_blocks - shared)[:, 0, :seq_len - start]
+    # Rows (g, t) of kv head h hold query head h * group + g at new token t.
+    qh = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
+    common = torch.matmul(qh, pk.transpose(-1, -2)).float().mul_(scale)
+    own = torch.matmul(qh, k.transpose(-1, -2)).float().mul_(scale)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group)
+    k_pos = torch.arange(start, seq_len, device=q.device)
+    own.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = torch.softmax(torch.cat((common, own), dim=-1), dim=-1).to(v.dtype)
+    p_common, p_own = probs.split([common.shape[-1], own.shape[-1]], dim=-1)
+    o = torch.matmul(p_common, pv) + torch.matmul(p_own, v)  # [kv_heads, group * q_len, d]
+    return o.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, num_heads, d)
 
 
 def paged_attention(

@@ -51,6 +51,9 @@ class AttentionMetadata:
     # the kernel reads them once for all decodes. Counted on the host by the runner;
     # 0 in a CUDA graph, whose tables change under it.
     num_shared_blocks: int = 0
+    # Likewise for the prefill chunks that have a cached prefix: leading blocks inside
+    # every such chunk's prefix that all of them share.
+    num_shared_prefill_blocks: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -155,6 +155,8 @@ class ModelRunner:
                 max_query_len=max(n for _, n in entries),
                 decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
                 num_shared_blocks=count_shared_blocks(table, seq_lens[:num_decodes], bs),
+                num_shared_prefill_blocks=_shared_prefill_blocks(entries, num_decodes, table,
+                                                                 bs),
             )
             hidden = self.model(input_ids.to(dev, non_blocking=True),
                                 pos.to(dev, non_blocking=True), self.kv_caches, meta)
@@ -172,6 +174,18 @@ class ModelRunner:
                 lp.update(out.top_logprobs[j] if out.top_logprobs else ())
             result[req.request_id] = SampledToken(out.token_ids[j], lp)
         return result
+
+
+def _shared_prefill_blocks(entries, num_decodes: int, table: torch.Tensor,
+                           block_size: int) -> int:
+    """Blocks shared by the cached prefixes of the prefill chunks that have at least one
+    cached block (the others take the plain paths; see kernels/cpu.py)."""
+    rows = [i for i, (r, _) in enumerate(entries) if i >= num_decodes
+            and r.num_computed_tokens >= block_size]
+    if len(rows) < 2:
+        return 0
+    prefix_lens = [entries[i][0].num_computed_tokens for i in rows]
+    return count_shared_blocks(table[rows], prefix_lens, block_size)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -131,3 +131,51 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
     got = cpu.paged_attention(q, None, None, kc, vc, meta, 0.125)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype):
+    """Chunks whose cached prefixes start with the same blocks read those blocks once; a
+    fresh chunk and a chunk with less than a block cached take the plain paths."""
+    torch.manual_seed(11)
+    bs, kvh, group, d = 16, 3, 3, 64
+    kc = torch.randn(kvh, 256, bs, d, dtype=dtype)
+    vc = torch.randn_like(kc)
+    shared = [1, 2, 3]
+    # (cached prefix length, new tokens): fresh, short prefix, then shared-prefix chunks
+    # with own cached tokens and chunks starting mid-block.
+    rows = [(0, 20), (9, 5), (48, 7), (53, 30), (60, 1), (80, 16)]
+    tables, lens, qsl, next_block = [], [], [0], 10
+    for prefix, q_len in rows:
+        seq_len = prefix + q_len
+        nb = -(-seq_len // bs)
+        head = shared[:min(3, prefix // bs)] if prefix >= bs else []
+        own = list(range(next_block, next_block + nb - len(head)))
+        next_block += len(own)
+        tables.append(head + own)
+        lens.append(seq_len)
+        qsl.append(qsl[-1] + q_len)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    n = qsl[-1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, num_decodes=0,
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_seq_len=max(lens),
+        max_query_len=max(q for _, q in rows), decode_max_seq_len=0,
+        num_shared_prefill_blocks=count_shared_blocks(
+            table[2:], [p for p, _ in rows[2:]], bs),
+    )
+    assert meta.num_shared_prefill_blocks == 3
+    q = torch.randn(n, kvh * group, d, dtype=dtype)
+    k = torch.randn(n, kvh, d, dtype=dtype)
+    v = torch.randn(n, kvh, d, dtype=dtype)
+    # The fresh chunk reads its new K/V directly: write them so the reference sees them.
+    slots = [t[p // bs] * bs + p % bs for t, (pre, ql) in zip(tables, rows, strict=True)
+             for p in range(pre, pre + ql)]
+    cpu.reshape_and_cache(k, v, kc, vc, torch.tensor(slots))
+    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
+    got = cpu.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
