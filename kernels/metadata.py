@@ -58,7 +58,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

@@ -120,7 +120,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
-        for _i, (req, n) in enumerate(entries):
+        for req, n in entries:
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
             positions.extend(range(start, start + n))

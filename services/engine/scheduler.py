@@ -26,23 +26,18 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class WaitingQueue:
-    """FCFS: a list in arrival order. Priority: a heap on (priority, arrival)."""
+    """A heap on Request.sort_key: arrival under FCFS, (priority, arrival) under priority."""
 
     def __init__(self, priority_policy: bool):
         self.priority_policy = priority_policy
         self._heap: list[tuple[tuple, int, Request]] = []
         self._seq = itertools.count()
 
-    def push(self, request: Request, front: bool = False) -> None:
+    def push(self, request: Request) -> None:
         # A preempted request keeps its original arrival time, so under both policies it
         # sorts ahead of everything that arrived after it: "back to the front".
-        del front  # its key already places it
         heapq.heappush(self._heap, (request.sort_key(self.priority_policy), next(self._seq),
                                     request))
 
@@ -144,7 +139,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.push(req, front=True)
+        self.waiting.push(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts and append the sampled tokens. `sampled` maps request ids

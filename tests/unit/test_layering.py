@@ -30,23 +30,37 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-def test_folders_import_only_what_design_allows():
+def _violations(root: Path) -> list[str]:
     bad = []
     for folder, allowed in ALLOWED.items():
-        for path in (ROOT / folder).rglob("*.py"):
+        for path in (root / folder).rglob("*.py"):
             for name in _imports(path):
                 top = name.split(".")[0]
                 if top in FORBIDDEN_THIRD_PARTY.get(folder, ()):
-                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+                    bad.append(f"{path.relative_to(root)} imports {name}")
                 if top not in OURS or top == folder:
                     continue
                 if not any(name == a or name.startswith(a + ".") for a in allowed):
-                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+                    bad.append(f"{path.relative_to(root)} imports {name}")
+    return bad
+
+
+def test_folders_import_only_what_design_allows():
+    bad = _violations(ROOT)
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
-def test_the_check_sees_a_violation(tmp_path):
-    # Guard against a check that cannot fail: a router file importing torch is caught.
-    f = tmp_path / "x.py"
-    f.write_text("import torch\nfrom services.engine import LLM\n")
-    assert _imports(f) == ["torch", "services.engine"]
+def test_the_check_sees_violations(tmp_path):
+    # Guard against a check that cannot fail: a router importing torch and the engine, and
+    # a decode worker importing the prefill worker, are all caught; allowed imports pass.
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "x.py").write_text(
+        "import torch\nfrom services.engine import LLM\nfrom services.serving import a\n")
+    (tmp_path / "decode_worker").mkdir()
+    (tmp_path / "decode_worker" / "y.py").write_text(
+        "import prefill_worker.z\nimport kv_transfer\n")
+    assert sorted(_violations(tmp_path)) == [
+        "decode_worker/y.py imports prefill_worker.z",
+        "router/x.py imports services.engine",
+        "router/x.py imports torch",
+    ]
