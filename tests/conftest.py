@@ -55,4 +55,5 @@ def pool_invariant():
     for llm in _ENGINES:
         engine = llm.engine
         assert not engine.has_unfinished_requests(), "a request outlived its test"
+        assert not engine.scheduler.leases, "a KV lease outlived its test"
         engine.pool.check_all_free()

@@ -32,6 +32,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     attention_backend: str | None = None
+    kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -13,7 +13,7 @@ from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.loader import load_checkpoint, resolve_model_path
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import RequestOutput
-from services.engine.request import Request, RequestStatus
+from services.engine.request import RemoteKV, Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.tokenizer import load_tokenizer
@@ -26,6 +26,7 @@ class LLMEngine:
         self.config = config
         t0 = time.monotonic()
         path = resolve_model_path(config.model)
+        self.model_name = path.name  # the file or directory name: the same on every host
         self.tokenizer = load_tokenizer(path)
         model_config, weights = load_checkpoint(path)
         self.model_config = model_config
@@ -50,6 +51,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
+        self.scheduler.lease_timeout_s = config.kv_lease_timeout_s
+        # Decode role: pulls remote KV (a kv_transfer receiver), set by the worker.
+        self.kv_receiver = None
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -60,8 +64,49 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raise ValueError (nothing queued) on bad input."""
+                    cache_salt: str | None = None, kv_hold: bool = False) -> str:
+        """Validate and queue a request; raise ValueError (nothing queued) on bad input.
+
+        `kv_hold` (prefill role): the request ends after its first token unless that token
+        finishes it, and its blocks stay held (`kv_block_ids` in that output) until
+        release_lease() or the lease timeout.
+        """
+        req = self._make_request(prompt, params, request_id, priority, cache_salt)
+        req.kv_hold = kv_hold
+        self._queue(req)
+        return req.request_id
+
+    def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
+                           remote: RemoteKV, params: SamplingParams | None = None,
+                           request_id: str | None = None, priority: int = 0,
+                           cache_salt: str | None = None) -> str:
+        """Decode role: continue a request whose prompt KV sits on another engine and whose
+        first token was sampled there. Only blocks missing from our prefix cache are pulled
+        (through `kv_receiver`); the request then decodes in the running batch."""
+        if self.kv_receiver is None:
+            raise ValueError("this engine has no KV receiver: it cannot take remote KV")
+        req = self._make_request(list(prompt_token_ids), params, request_id, priority,
+                                 cache_salt)
+        n = req.num_prompt_tokens
+        if remote.num_tokens != n:
+            raise ValueError(f"remote KV holds {remote.num_tokens} tokens, the prompt has {n}")
+        need = -(-n // self.config.block_size)
+        if len(remote.block_ids) != need:
+            raise ValueError(f"remote KV has {len(remote.block_ids)} blocks, {n} tokens need "
+                             f"{need}")
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token} is outside the vocabulary")
+        if req.params.max_tokens < 2 or n + 1 >= self.max_model_len:
+            raise ValueError("nothing left to decode: max_tokens or max_model_len is reached")
+        req.token_ids.append(first_token)
+        req.remote = remote
+        self._queue(req)
+        # The first token's text was streamed by the prefill engine; replaying it here puts
+        # this detokenizer in the same state (held-back bytes and stop-string tail).
+        self._detok[req.request_id].update([first_token])
+        return req.request_id
+
+    def _make_request(self, prompt, params, request_id, priority, cache_salt) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
@@ -78,14 +123,16 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        req = Request(request_id, token_ids, params, self.model_config.eos_token_ids, priority,
-                      cache_salt=cache_salt)
+        return Request(request_id, token_ids, params, self.model_config.eos_token_ids,
+                       priority, cache_salt=cache_salt)
+
+    def _queue(self, req: Request) -> None:
         self.scheduler.add_request(req)  # raises on a duplicate id, before anything else
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, stop=params.stop,
+        params = req.params
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, stop=params.stop,
             skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output)
-        return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -110,6 +157,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def release_lease(self, request_id: str) -> bool:
+        """Prefill role: free the blocks held for a handed-off request."""
+        return self.scheduler.release_lease(request_id)
+
+    def stats(self) -> dict[str, int | float]:
+        """Load and memory figures for routing and for tests of the pool invariant."""
+        s = self.scheduler
+        return {"num_waiting": len(s.waiting), "num_running": len(s.running),
+                "num_loading": len(s.loading), "num_leases": len(s.leases),
+                "num_blocks": self.pool.num_blocks - 1, "num_free_blocks":
+                self.pool.num_free_blocks, "kv_usage": self.kv.usage,
+                "num_blocks_pulled": s.num_blocks_pulled,
+                "num_blocks_local": s.num_blocks_local, "num_preemptions": s.num_preemptions}
+
     # ---- prefix cache ---------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
@@ -125,13 +186,22 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that advanced."""
+        """Schedule, run the model once, sample, and report every request that advanced
+        (or failed). Also moves remote KV loads along and expires stale leases."""
+        outputs = self._poll_loads()
+        self.scheduler.expire_leases(time.monotonic())
         sched = self.scheduler.schedule()
+        for req, remote_ids, local_ids in sched.loads:
+            req.load_start = time.monotonic()
+            if remote_ids:
+                self.kv_receiver.start_load(req.request_id, req.remote.engine_id, remote_ids,
+                                            local_ids)
+            else:  # every remote block was in our own prefix cache
+                self.scheduler.finish_load(req.request_id, None)
         if not sched.scheduled:
-            return []
+            return outputs
         sampled = self.runner.execute(sched, self.kv)
         advanced = self.scheduler.update(sched, {k: v.token_id for k, v in sampled.items()})
-        outputs = []
         for req in advanced:
             s = sampled[req.request_id]
             if req.params.logprobs is not None:
@@ -142,12 +212,28 @@ class LLMEngine:
                 if not req.status.finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                 else:  # a length limit on the same token: the stop string wins (as vLLM)
+                    if req.status == RequestStatus.PREFILLED:  # nothing left to hand off
+                        self.scheduler.release_lease(req.request_id)
                     req.status = RequestStatus.FINISHED_STOPPED
-            elif req.status.finished:
+            elif req.status.finished and req.status != RequestStatus.PREFILLED:
                 delta += detok.flush()
             outputs.append(self._output(req, [s.token_id], delta, detok))
             if req.status.finished:
                 del self._detok[req.request_id]
+        return outputs
+
+    def _poll_loads(self) -> list[RequestOutput]:
+        """Finish every remote KV load the transport reports done; report failed ones."""
+        outputs = []
+        for rid in list(self.scheduler.loading):
+            state, error = self.kv_receiver.poll(rid)
+            if not state.done:
+                continue
+            req = self.scheduler.finish_load(rid, None if state.name == "SUCCESS" else
+                                             error or "transfer failed")
+            if req is not None and req.status.finished:
+                detok = self._detok.pop(rid)
+                outputs.append(self._output(req, [], "", detok))
         return outputs
 
     def _output(self, req: Request, new_ids: list[int], delta: str,
@@ -157,6 +243,8 @@ class LLMEngine:
         if req.status == RequestStatus.FINISHED_STOPPED:
             last = req.token_ids[-1]
             stop_reason = detok.stop_matched or (last if last in req.stop_ids else None)
+        prefilled = req.status == RequestStatus.PREFILLED
+        t_sched, t_first = req.scheduled_time, req.first_token_time
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -164,9 +252,15 @@ class LLMEngine:
             text=detok.text,
             new_token_ids=new_ids,
             new_text=delta,
-            finish_reason=req.status.value if finished else None,
+            finish_reason=req.status.value if finished and not prefilled else None,
             stop_reason=stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
+            error=req.error,
+            kv_block_ids=self.kv.block_ids(req.request_id) if prefilled else None,
+            queue_time=None if t_sched is None else t_sched - req.arrival_time,
+            prefill_time=None if t_first is None or t_sched is None else t_first - t_sched,
+            transfer_time=(None if req.load_end is None or req.load_start is None
+                           else req.load_end - req.load_start),
         )

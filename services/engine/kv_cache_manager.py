@@ -45,7 +45,8 @@ class KVCacheManager:
         self.num_hits += num_cached
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+                       computed_blocks: list[KVCacheBlock] | None = None,
+                       publish: bool = True) -> bool:
         """Make room for `num_new_tokens` more KV entries after the computed ones (and after
         `computed_blocks`, prefix-cache hits for a request that holds no block yet).
         False, with nothing changed, if the pool cannot: the scheduler may preempt.
@@ -56,6 +57,8 @@ class KVCacheManager:
 
         Blocks needed = ceil(total / block_size); only the shortfall is taken. Hits that
         sit free in the queue stop counting as free once taken, so they count here too.
+        `publish=False` is for blocks filled from elsewhere (remote KV): publish() them
+        once their contents have arrived.
         """
         computed_blocks = computed_blocks or []
         blocks = self._blocks.setdefault(request.request_id, [])
@@ -71,14 +74,17 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self.enable_prefix_caching:
-            self._publish(request, blocks, total)
+        if publish:
+            self.publish(request, total)
         return True
 
-    def _publish(self, request: Request, blocks: list[KVCacheBlock], total: int) -> None:
+    def publish(self, request: Request, total: int) -> None:
         """Put every block that is full once this step has run into the cache map. Another
         request may hit it in this same step: each layer writes the step's K/V before any
         attention reads them, so its contents are there in time."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id, [])
         hashes = self._hashes(request)
         num_full = min(total // self.block_size, len(hashes))
         done = self._num_published.get(request.request_id, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -12,14 +13,26 @@ from services.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks allocated, remote KV arriving
     RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill role: first token out, blocks held under a lease
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("prefilled", "stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode-role request's prompt KV lives: the prefill engine, its block ids
+    (in order, the last maybe partial) and the number of prompt tokens they hold."""
+
+    engine_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
 
 
 class Request:
@@ -50,6 +63,16 @@ class Request:
         self.cache_salt = cache_salt.encode() if cache_salt else b""
         self.block_hashes: list[bytes] = []  # one per full block of token_ids, chained
         self.num_cached_tokens = -1  # prompt tokens found cached at first admission
+        # Disaggregation: hold the KV after the first token (prefill role), or take the
+        # prompt's KV from a remote engine (decode role).
+        self.kv_hold = False
+        self.remote: RemoteKV | None = None
+        self.error: str | None = None  # why an aborted request failed, if it did
+        # Timings (monotonic seconds): first scheduled, first token, remote KV load.
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.load_start: float | None = None
+        self.load_end: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,12 +7,20 @@ take what budget is left, in chunks. When the pool is out of blocks, the running
 that would run last (the lowest priority, or the latest arrival) is preempted: its blocks
 are freed, its computed count is reset, and it goes back to the front of the waiting
 queue to recompute later.
+
+Disaggregation adds two states outside the running set. A decode-role request whose prompt
+KV lives on a prefill engine is admitted like any waiting request, but only the blocks its
+own prefix cache lacks are allocated unpublished and listed in `loads`; it waits in
+`loading` (WAITING_FOR_KV) until the engine reports the copy done, then joins `running`
+with its whole prompt computed. A prefill-role request (`kv_hold`) ends after its first
+token as PREFILLED: its blocks stay allocated under a lease until released or expired.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache_manager import KVCacheManager
@@ -25,6 +33,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Remote KV to pull: (request, remote block ids, local block ids), same order.
+    loads: list[tuple[Request, list[int], list[int]]] = field(default_factory=list)
 
 
 class WaitingQueue:
@@ -73,15 +83,23 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
+        # Requests whose remote KV is in flight, aborted ones included: their blocks may
+        # still be written by the transport, so they are freed only when it reports done.
+        self.loading: dict[str, Request] = {}
+        self.leases: dict[str, tuple[Request, float]] = {}  # id -> (request, expiry)
+        self.lease_timeout_s = 30.0
+        self.num_blocks_pulled = 0  # remote blocks loaded (decode role)
+        self.num_blocks_local = 0  # remote prompt blocks found in our own prefix cache
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if (request.request_id in self.requests or request.request_id in self.loading
+                or request.request_id in self.leases):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -109,8 +127,12 @@ class Scheduler:
         # 2. Waiting requests, while budget, sequence slots and blocks last. Not after a
         #    preemption this step: the pool is short, and newcomers would only thrash it.
         while (not out.preempted and budget > 0 and len(self.waiting)
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting.peek()
+            if req.remote is not None and req.num_computed_tokens == 0:
+                if not self._admit_remote(req, out):
+                    break
+                continue
             # Prefix-cache hits cost no budget: only the tokens after them are computed.
             hits = self.kv.get_computed_blocks(req)
             num_cached = len(hits) * self.kv.block_size
@@ -121,6 +143,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
                 req.num_cached_tokens = num_cached
                 self.kv.record_lookup(req.num_tokens, num_cached)
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -132,6 +156,68 @@ class Scheduler:
         # One-token entries (decodes) first: the attention kernels batch them together.
         out.scheduled = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
         return out
+
+    def _admit_remote(self, req: Request, out: SchedulerOutput) -> bool:
+        """Allocate a decode-role request's prompt blocks: prefix-cache hits are kept, the
+        rest are listed for the transport and published only once filled. Costs no token
+        budget. False if the pool is short."""
+        remote = req.remote
+        assert remote is not None
+        hits = self.kv.get_computed_blocks(req)[:len(remote.block_ids)]
+        num_local = len(hits) * self.kv.block_size
+        if not self.kv.allocate_slots(req, remote.num_tokens - num_local, hits, publish=False):
+            return False
+        self.waiting.pop()
+        req.num_computed_tokens = num_local
+        req.num_cached_tokens = num_local
+        self.kv.record_lookup(remote.num_tokens, num_local)
+        req.scheduled_time = time.monotonic()
+        local_ids = self.kv.block_ids(req.request_id)[len(hits):]
+        self.num_blocks_local += len(hits)
+        self.num_blocks_pulled += len(local_ids)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.loading[req.request_id] = req
+        out.loads.append((req, list(remote.block_ids[len(hits):]), local_ids))
+        return True
+
+    def finish_load(self, request_id: str, error: str | None) -> Request | None:
+        """The transport is done with this request's blocks. On success the request joins
+        the running set with its prompt computed; on failure it ends aborted. Returns the
+        request if it is still live (not aborted while loading)."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        req.load_end = time.monotonic()
+        if req.status != RequestStatus.WAITING_FOR_KV:  # aborted meanwhile: free now
+            self.kv.free(req)
+            return None
+        if error is not None:
+            req.error = f"KV transfer failed: {error}"
+            self.requests.pop(request_id, None)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.kv.free(req)
+            return req
+        assert req.remote is not None
+        req.num_computed_tokens = req.remote.num_tokens
+        self.kv.publish(req, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def release_lease(self, request_id: str) -> bool:
+        """Free a prefill-role request's held blocks. False if there was no such lease."""
+        entry = self.leases.pop(request_id, None)
+        if entry is None:
+            return False
+        self.kv.free(entry[0])
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Release every lease past its expiry: a decode worker that never came back."""
+        expired = [rid for rid, (_, t) in self.leases.items() if t <= now]
+        for rid in expired:
+            self.release_lease(rid)
+        return expired
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -153,8 +239,12 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that has not reached the end yet
             req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             got_token.append(req)
             status = self._check_stop(req, token)
+            if status is None and req.kv_hold:
+                status = RequestStatus.PREFILLED
             if status is not None:
                 self.finish(req, status)
         return got_token
@@ -167,15 +257,21 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request for good: free its blocks and forget it. Safe to call once per id."""
+        """End a request for good: free its blocks and forget it. Safe to call once per id.
+        PREFILLED keeps the blocks under a lease; a request still loading keeps them until
+        the transport is done (finish_load frees them)."""
         if self.requests.pop(req.request_id, None) is None:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
+        loading = req.status == RequestStatus.WAITING_FOR_KV
         req.status = status
-        self.kv.free(req)
+        if status == RequestStatus.PREFILLED:
+            self.leases[req.request_id] = (req, time.monotonic() + self.lease_timeout_s)
+        elif not loading:
+            self.kv.free(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

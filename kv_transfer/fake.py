@@ -1,0 +1,68 @@
+"""An in-memory connector for unit tests: peers are engines in the same process, found by
+engine id, and a load copies blocks at once (or after `delay_polls` polls, to hold a
+transfer in flight). `fail` makes the next loads fail, to test the error paths."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kv_transfer.base import KVLayout, KVReceiver, KVSender, TransferState, check_caches
+from kv_transfer.blocks import read_blocks, write_blocks
+
+_registry: dict[str, list[torch.Tensor]] = {}
+_lock = threading.Lock()
+
+
+class FakeConnector(KVSender, KVReceiver):
+    def __init__(self, engine_id: str, layout: KVLayout, kv_caches: list[torch.Tensor],
+                 delay_polls: int = 0):
+        self.engine_id = engine_id
+        self.layout = layout
+        self.kv_caches = kv_caches
+        self.num_blocks = check_caches(layout, kv_caches)
+        self.delay_polls = delay_polls
+        self.fail: str | None = None  # set to a reason to fail every load from now on
+        self.blocks_loaded = 0
+        self._peers: set[str] = set()
+        self._pending: dict[str, list] = {}
+        with _lock:
+            _registry[engine_id] = kv_caches
+
+    def metadata(self) -> bytes:
+        return self.engine_id.encode()
+
+    def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
+        self.layout.check_compatible(layout)
+        self._peers.add(engine_id)
+
+    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
+        self._pending[transfer_id] = [self.delay_polls, engine_id, list(remote_block_ids),
+                                      list(local_block_ids)]
+
+    def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
+        entry = self._pending.get(transfer_id)
+        if entry is None:
+            return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
+        if entry[0] > 0:
+            entry[0] -= 1
+            return TransferState.TRANSFERRING, None
+        del self._pending[transfer_id]
+        _, engine_id, remote, local = entry
+        if self.fail is not None:
+            return TransferState.FAILED, self.fail
+        with _lock:
+            src = _registry.get(engine_id)
+        if engine_id not in self._peers or src is None:
+            return TransferState.FAILED, f"unknown peer {engine_id!r}"
+        if len(remote) != len(local):
+            return TransferState.FAILED, "remote and local block lists differ in length"
+        write_blocks(self.kv_caches, local, read_blocks(src, remote))
+        self.blocks_loaded += len(local)
+        return TransferState.SUCCESS, None
+
+    def close(self) -> None:
+        with _lock:
+            _registry.pop(self.engine_id, None)

@@ -1,0 +1,77 @@
+"""The fallback connector for hosts without NIXL: block bytes streamed over gRPC.
+
+kv_transfer may not import the protos, so the transport is a function the decode worker
+passes in: `fetch(engine_id, remote_block_ids)` yields the bytes of those blocks in the
+order of kv_transfer/blocks.py (it calls the prefill worker's ReadKvBlocks RPC). Loads
+run on a small thread pool; the engine only polls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kv_transfer.base import KVLayout, KVReceiver, KVSender, TransferState, check_caches
+from kv_transfer.blocks import write_blocks
+
+Fetch = Callable[[str, list[int]], Iterable[bytes]]
+
+
+class GrpcStreamSender(KVSender):
+    """Nothing to publish: the receiver reaches the blocks through the worker's RPC."""
+
+    def metadata(self) -> bytes:
+        return b""
+
+
+class GrpcStreamReceiver(KVReceiver):
+    def __init__(self, layout: KVLayout, kv_caches: list[torch.Tensor], fetch: Fetch,
+                 num_threads: int = 2):
+        self.layout = layout
+        self.kv_caches = kv_caches
+        self.num_blocks = check_caches(layout, kv_caches)
+        self._fetch = fetch
+        self._peers: set[str] = set()
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-grpc")
+        self._loads: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
+        self.layout.check_compatible(layout)
+        self._peers.add(engine_id)
+
+    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
+        fut = self._pool.submit(self._load, engine_id, list(remote_block_ids),
+                                list(local_block_ids))
+        with self._lock:
+            self._loads[transfer_id] = fut
+
+    def _load(self, engine_id: str, remote: list[int], local: list[int]) -> None:
+        if engine_id not in self._peers:
+            raise ValueError(f"unknown peer {engine_id!r}")
+        if len(remote) != len(local):
+            raise ValueError("remote and local block lists differ in length")
+        if any(not 0 < b < self.num_blocks for b in local):
+            raise ValueError(f"local block ids out of range (1..{self.num_blocks - 1})")
+        data = b"".join(self._fetch(engine_id, remote))
+        write_blocks(self.kv_caches, local, data)
+
+    def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
+        with self._lock:
+            fut = self._loads.get(transfer_id)
+            if fut is None:
+                return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
+            if not fut.done():
+                return TransferState.TRANSFERRING, None
+            del self._loads[transfer_id]
+        err = fut.exception()
+        if err is not None:
+            return TransferState.FAILED, f"{type(err).__name__}: {err}"
+        return TransferState.SUCCESS, None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,182 @@
+"""Prefill and decode roles of the engine, joined by the in-memory connector: the same
+greedy tokens as one engine, only missing blocks pulled, and no block leaked on any path
+(the autouse pool invariant checks both engines after each test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.base import KVLayout
+from kv_transfer.blocks import read_blocks
+from kv_transfer.fake import FakeConnector
+from services.engine import SamplingParams
+from services.engine.request import RemoteKV
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about paged attention and memory blocks in a serving system.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,",
+]
+
+
+@pytest.fixture(scope="module")
+def pair(make_llm):
+    """A prefill engine and a decode engine, wired through fake connectors."""
+    p = make_llm(dtype="float32", max_num_batched_tokens=64).engine
+    d = make_llm(dtype="float32").engine
+    layout = KVLayout.of_engine(p)
+    sender = FakeConnector("prefill-0", layout, p.runner.kv_caches)
+    receiver = FakeConnector("decode-0", layout, d.runner.kv_caches)
+    receiver.add_peer("prefill-0", layout, sender.metadata())
+    d.kv_receiver = receiver
+    yield p, d, receiver
+    sender.close()
+    receiver.close()
+
+
+def _drain(engine, outs=None):
+    outs = outs if outs is not None else {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def _prefill(p, prompts, params):
+    ids = [p.add_request(x, params, request_id=f"r{i}", kv_hold=True)
+           for i, x in enumerate(prompts)]
+    outs = _drain(p)
+    return {rid: outs[rid][-1] for rid in ids}
+
+
+def _handoff(p, d, firsts, params):
+    for rid, o in firsts.items():
+        if o.finished:
+            continue
+        remote = RemoteKV("prefill-0", tuple(o.kv_block_ids), len(o.prompt_token_ids))
+        d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], remote, params,
+                             request_id=rid)
+
+
+def test_disaggregated_greedy_equals_one_engine(pair, llm):
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    firsts = _prefill(p, PROMPTS, params)
+    assert all(o.kv_block_ids and o.finish_reason is None for o in firsts.values())
+    assert p.stats()["num_leases"] == len(PROMPTS)
+    _handoff(p, d, firsts, params)
+    outs = _drain(d)
+    for rid in firsts:
+        p.release_lease(rid)
+    got = [firsts[f"r{i}"].new_token_ids + [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+           for i in range(len(PROMPTS))]
+    assert got == want
+    texts = [firsts[f"r{i}"].new_text + "".join(o.new_text for o in outs[f"r{i}"])
+             for i in range(len(PROMPTS))]
+    assert texts == [o.text for o in llm.generate(PROMPTS, params)]
+    assert all(outs[f"r{i}"][-1].transfer_time is not None for i in range(len(PROMPTS)))
+
+
+def test_kv_bytes_equal_after_transfer(pair):
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    firsts = _prefill(p, [PROMPTS[1]], params)
+    src = read_blocks(p.runner.kv_caches, firsts["r0"].kv_block_ids)
+    _handoff(p, d, firsts, params)
+    d.step()  # admits the request and pulls its blocks
+    d.step()  # the load is done; first decode
+    dst = read_blocks(d.runner.kv_caches, d.kv.block_ids("r0")[:len(firsts["r0"].kv_block_ids)])
+    p.release_lease("r0")
+    _drain(d)
+    # The last, partial block differs past the prompt: decode wrote the first token there.
+    n = len(firsts["r0"].prompt_token_ids)
+    full = n // p.config.block_size * (len(src) // len(firsts["r0"].kv_block_ids))
+    assert src[:full] == dst[:full]
+    assert len(src) == len(dst)
+
+
+def test_only_missing_blocks_are_pulled(pair, llm):
+    p, d, receiver = pair
+    d.reset_prefix_cache()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    base = "Paged attention splits the KV cache into fixed blocks. " * 6
+    longer = base + "Then a decode worker pulls only what it lacks."
+    for prompt in (base, longer):
+        before = dict(d.stats())
+        firsts = _prefill(p, [prompt], params)
+        _handoff(p, d, firsts, params)
+        outs = _drain(d)
+        p.release_lease("r0")
+        after = d.stats()
+        pulled = after["num_blocks_pulled"] - before["num_blocks_pulled"]
+        local = after["num_blocks_local"] - before["num_blocks_local"]
+        n = len(firsts["r0"].prompt_token_ids)
+        assert pulled + local == -(-n // 16)
+        got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
+        assert got == llm.generate([prompt], params)[0].token_ids
+    # The second prompt shares the first one's full blocks: those were not pulled again.
+    n_base = len(p.tokenizer.encode(base))
+    assert local == n_base // 16 > 0
+
+
+def test_abort_while_loading_frees_after_transport_is_done(pair):
+    p, d, receiver = pair
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    firsts = _prefill(p, [PROMPTS[2]], params)
+    receiver.delay_polls = 3
+    try:
+        _handoff(p, d, firsts, params)
+        d.step()
+        assert d.stats()["num_loading"] == 1
+        d.abort_request("r0")
+        assert d.has_unfinished_requests()  # blocks stay until the transport lets go
+        _drain(d)
+    finally:
+        receiver.delay_polls = 0
+        p.release_lease("r0")
+
+
+def test_failed_transfer_ends_request_with_error(pair):
+    p, d, receiver = pair
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    firsts = _prefill(p, [PROMPTS[0]], params)
+    receiver.fail = "peer went away"
+    try:
+        _handoff(p, d, firsts, params)
+        outs = _drain(d)
+    finally:
+        receiver.fail = None
+        p.release_lease("r0")
+    last = outs["r0"][-1]
+    assert last.finish_reason == "abort" and "peer went away" in last.error
+
+
+def test_lease_expires(pair):
+    p, _, _ = pair
+    p.scheduler.lease_timeout_s = 0.0
+    try:
+        _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0))
+        assert p.stats()["num_leases"] == 1
+        p.step()
+        assert p.stats()["num_leases"] == 0
+    finally:
+        p.scheduler.lease_timeout_s = 30.0
+
+
+def test_first_token_that_finishes_holds_nothing(pair):
+    p, _, _ = pair
+    firsts = _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert firsts["r0"].finish_reason == "length" and firsts["r0"].kv_block_ids is None
+    assert p.stats()["num_leases"] == 0
+
+
+def test_remote_request_is_validated(pair):
+    _, d, _ = pair
+    with pytest.raises(ValueError, match="blocks"):
+        d.add_remote_request([1] * 40, 5, RemoteKV("prefill-0", (1, 2), 40),
+                             SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="holds 39 tokens"):
+        d.add_remote_request([1] * 40, 5, RemoteKV("prefill-0", (1, 2, 3), 39),
+                             SamplingParams(max_tokens=4))
+    assert not d.has_unfinished_requests()
