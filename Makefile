@@ -5,7 +5,10 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install model test lint serve bench clean
+.PHONY: install model test lint protos protos-check serve bench clean
+PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
+PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
+	--grpc_python_out=$(1) $(PROTOS)
 
 # torch goes first, pinned to the CPU wheel; the rest must not replace it.
 $(STAMP): pyproject.toml
@@ -22,9 +25,20 @@ $(MODEL): | $(STAMP)
 
 model: $(MODEL)
 
-test: $(STAMP) $(MODEL)
+test: $(STAMP) $(MODEL) protos-check
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# Regenerate the committed stubs after editing a .proto.
+protos: $(STAMP)
+	$(call PROTOC,protos)
+
+# Fail if the committed stubs differ from what the .proto files generate.
+protos-check: $(STAMP)
+	rm -rf .cache/protos-check && mkdir -p .cache/protos-check
+	$(call PROTOC,.cache/protos-check)
+	diff -r -x '__init__.py' -x '*.proto' -x '__pycache__' .cache/protos-check/baton protos/baton \
+		|| (echo "generated stubs drifted from protos/*.proto: run 'make protos'" && exit 1)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,11 +15,11 @@ its own tensors with its own block count.
 from __future__ import annotations
 
 import enum
-import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
 
 import torch
+
+from services.engine.kv_layout import IncompatibleLayout, KVLayout
 
 
 class TransferState(enum.Enum):
@@ -33,54 +33,8 @@ class TransferState(enum.Enum):
         return self in (TransferState.SUCCESS, TransferState.FAILED)
 
 
-class IncompatiblePeer(ValueError):
-    """The peer's KV layout differs from ours: its blocks cannot be copied into ours."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What two engines must share for a byte copy of a block to be a valid block."""
-
-    model: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def fingerprint(self) -> str:
-        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.block_size * self.head_dim * self.element_size
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.chunk_bytes
-
-    @staticmethod
-    def of_engine(engine) -> KVLayout:
-        """The layout of an LLMEngine's KV cache."""
-        mc = engine.model_config
-        return KVLayout(model=engine.model_name, dtype=engine.config.dtype,
-                        block_size=engine.config.block_size, num_layers=mc.num_layers,
-                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-
-    def check_compatible(self, other: KVLayout) -> None:
-        """Raise IncompatiblePeer naming every field that differs."""
-        mine, theirs = asdict(self), asdict(other)
-        diff = [f"{k}: ours {mine[k]!r}, peer {theirs[k]!r}" for k in mine
-                if mine[k] != theirs[k]]
-        if diff:
-            raise IncompatiblePeer("KV layout mismatch (" + "; ".join(diff) + ")")
+# The layout lives with the engine (the services may not import kv_transfer).
+IncompatiblePeer = IncompatibleLayout
 
 
 def check_caches(layout: KVLayout, kv_caches: list[torch.Tensor]) -> int:

@@ -53,4 +53,8 @@ def ensure_default_model() -> Path:
 
 
 if __name__ == "__main__":
-    print(ensure_default_model())
+    from services.engine.tokenizer import load_tokenizer
+
+    model = ensure_default_model()
+    load_tokenizer(model)  # saves tokenizer.json beside it, for the torch-free router
+    print(model)

@@ -1,0 +1,116 @@
+"""The engine behind asyncio: one thread owns the LLMEngine and steps it; gRPC handlers
+talk to it through calls queued between steps and per-request output queues.
+
+    handler (event loop)            engine thread
+    ------------------------        ----------------------------------------------
+    generate(rid, add) ---call---> add(engine)            (ValueError goes back)
+        await queue.get()  <------ step() outputs, via loop.call_soon_threadsafe
+    abort(rid) ----------call---> engine.abort_request(rid)
+
+The engine is not thread-safe, so every touch of it happens on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from services.engine.engine import LLMEngine
+from services.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # an idle engine thread still wakes this often (lease expiry)
+LOAD_WAIT_S = 0.001  # while only remote KV loads are pending: poll this often
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop ---------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps; return or raise its result."""
+        fut: Future = Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is stopped")
+            self._calls.append((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    async def generate(self, request_id: str,
+                       add: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
+        """Add a request with `add(engine)` and yield its outputs until it finishes. If the
+        consumer stops early (cancellation), the request is aborted in the engine."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            await self.call(add)
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished or out.kv_block_ids is not None:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                calls, self._calls = self._calls, []
+                stopped = self._stopped
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn(engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            if stopped:
+                return
+            if not engine.has_unfinished_requests():
+                engine.scheduler.expire_leases(time.monotonic())
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting every request")
+                outputs = [o for rid in list(engine.scheduler.requests)
+                           if (o := engine.abort_request(rid)) is not None]
+                for o in outputs:
+                    o.error = "internal engine error"
+            for out in outputs:
+                entry = self._queues.get(out.request_id)
+                if entry is not None:
+                    loop, queue = entry
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+            if not outputs and not engine.scheduler.running:
+                self._wake.wait(LOAD_WAIT_S)  # only transfers in flight: don't spin
+                self._wake.clear()

@@ -1,0 +1,114 @@
+"""What prefill, decode and colocated workers share: the engine config from flags, the
+WorkerService (stats, KV bytes, prefix lookup), and proto builders."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import grpc
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.kv_blocks import read_blocks
+from services.engine.kv_layout import KVLayout
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.worker.async_engine import AsyncEngine
+
+READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Engine flags; each defaults to a BATON_<NAME> environment variable if set."""
+    env = os.environ.get
+    parser.add_argument("--model", default=env("BATON_MODEL"),
+                        help="a .gguf file or an HF model directory (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default=env("BATON_DTYPE", "bfloat16"))
+    parser.add_argument("--device", default=env("BATON_DEVICE", "auto"))
+    parser.add_argument("--block-size", type=int, default=int(env("BATON_BLOCK_SIZE", "16")))
+    parser.add_argument("--kv-cache-gib", type=float,
+                        default=float(env("BATON_KV_CACHE_GIB", "2")))
+    parser.add_argument("--max-num-seqs", type=int, default=int(env("BATON_MAX_NUM_SEQS", "256")))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=int(env("BATON_MAX_NUM_BATCHED_TOKENS", "2048")))
+    parser.add_argument("--max-model-len", type=int, default=env("BATON_MAX_MODEL_LEN"))
+    parser.add_argument("--threads", type=int, default=env("BATON_THREADS"),
+                        help="torch intra-op threads (default: torch's choice)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(int(args.threads))
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=int(args.max_model_len) if args.max_model_len else None)
+
+
+def sampling_params(msg: gen.SamplingParams, context_abort=None) -> SamplingParams:
+    from services.serving.convert import sampling_kwargs
+
+    return SamplingParams(**sampling_kwargs(msg))
+
+
+def layout_message(layout: KVLayout) -> wk.KvLayout:
+    return wk.KvLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
+                       num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, fingerprint=layout.fingerprint)
+
+
+def layout_from_message(msg: wk.KvLayout) -> KVLayout:
+    return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
+                    num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
+                    head_dim=msg.head_dim)
+
+
+def model_info(engine: LLMEngine) -> gen.ModelInfo:
+    return gen.ModelInfo(model=engine.model_name, max_model_len=engine.max_model_len,
+                         vocab_size=engine.model_config.vocab_size,
+                         eos_token_ids=list(engine.model_config.eos_token_ids),
+                         block_size=engine.config.block_size, dtype=engine.config.dtype)
+
+
+class WorkerServicer(wk_grpc.WorkerServiceServicer):
+    def __init__(self, aengine: AsyncEngine, engine_id: str, role: str):
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.engine_id = engine_id
+        self.role = role
+        self.layout = KVLayout.of_engine(self.engine)
+
+    async def GetStats(self, request, context):
+        s = self.engine.stats()
+        return wk.GetStatsResponse(
+            engine_id=self.engine_id, role=self.role, num_waiting=s["num_waiting"],
+            num_running=s["num_running"], num_loading=s["num_loading"],
+            num_leases=s["num_leases"], num_blocks=s["num_blocks"],
+            num_free_blocks=s["num_free_blocks"], num_blocks_pulled=s["num_blocks_pulled"],
+            num_blocks_local=s["num_blocks_local"], model_info=model_info(self.engine),
+            layout=layout_message(self.layout))
+
+    async def ReadKvBlocks(self, request, context):
+        ids = list(request.block_ids)
+        n = self.engine.pool.num_blocks
+        if any(not 0 < b < n for b in ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block ids must be in 1..{n - 1}")
+        for i in range(0, len(ids), READ_CHUNK_BLOCKS):
+            chunk = ids[i:i + READ_CHUNK_BLOCKS]
+            yield wk.ReadKvBlocksResponse(data=read_blocks(self.engine.runner.kv_caches, chunk))
+
+    async def LookupPrefix(self, request, context):
+        def lookup(engine: LLMEngine) -> list[int]:
+            probe = Request("lookup", list(request.token_ids) + [0], SamplingParams(), (),
+                            cache_salt=request.cache_salt or None)
+            return [b.block_id for b in engine.kv.get_computed_blocks(probe)]
+
+        return wk.LookupPrefixResponse(block_ids=await self.aengine.call(lookup))

@@ -1,0 +1,218 @@
+"""NixlConnector between two real processes: NIXL over UCX, DRAM to DRAM on one host.
+
+A spawned sender process owns random KV tensors and hands its metadata and the raw bytes
+of its tensors back over a pipe; the receiver (this process) has a different block count,
+pulls scattered blocks into other block ids, and must get exactly the sender's bytes there
+and nothing anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12")
+
+from kv_transfer.base import IncompatiblePeer, KVLayout, TransferState  # noqa: E402
+from kv_transfer.nixl_connector import NixlConnector  # noqa: E402
+
+SENDER_BLOCKS = 9
+RECEIVER_BLOCKS = 13
+REMOTE_IDS = [7, 2, 5]  # unordered, not contiguous
+LOCAL_IDS = [1, 12, 4]
+TIMEOUT_S = 10.0
+
+
+def _layout(dtype: str = "bfloat16", block_size: int = 16) -> KVLayout:
+    return KVLayout(model="test-model", dtype=dtype, block_size=block_size, num_layers=3,
+                    num_kv_heads=2, head_dim=8)
+
+
+def _caches(layout: KVLayout, num_blocks: int, random: bool) -> list[torch.Tensor]:
+    shape = (2, layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    if random:
+        return [torch.randn(shape).to(dtype) for _ in range(layout.num_layers)]
+    return [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes, shaped [2, kv_heads, num_blocks, -1]: block b is [:, :, b]."""
+    return t.view(torch.uint8).reshape(*t.shape[:3], -1).numpy()
+
+
+def _sender_main(conn, engine_id: str, layout: KVLayout, num_blocks: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    caches = _caches(layout, num_blocks, random=True)
+    connector = NixlConnector(engine_id, layout, caches)
+    conn.send((connector.metadata(), [_raw(t).copy() for t in caches]))
+    with contextlib.suppress(EOFError):
+        conn.recv()  # "exit", or EOF when the test process goes away
+    connector.close()
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    layout: KVLayout
+    metadata: bytes
+    layers: list[np.ndarray]  # the sender's tensors as raw bytes
+    proc: multiprocessing.process.BaseProcess
+
+
+@contextlib.contextmanager
+def _sender(layout: KVLayout):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    engine_id = f"sender-{uuid.uuid4().hex[:8]}"
+    proc = ctx.Process(target=_sender_main, daemon=True,
+                       args=(child, engine_id, layout, SENDER_BLOCKS, 1234))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(60), "the sender process did not come up"
+        metadata, layers = parent.recv()
+        yield Peer(engine_id, layout, metadata, layers, proc)
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send("exit")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def peer(request):
+    with _sender(_layout(request.param)) as p:
+        yield p
+
+
+@contextlib.contextmanager
+def _receiver(layout: KVLayout):
+    caches = _caches(layout, RECEIVER_BLOCKS, random=False)
+    connector = NixlConnector(f"receiver-{uuid.uuid4().hex[:8]}", layout, caches)
+    try:
+        yield connector, caches
+    finally:
+        _within(TIMEOUT_S, connector.close)
+
+
+def _wait(connector: NixlConnector, transfer_id: str) -> tuple[TransferState, str | None]:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        state, reason = connector.poll(transfer_id)
+        if state is not TransferState.TRANSFERRING:
+            return state, reason
+        time.sleep(0.001)
+    pytest.fail(f"transfer {transfer_id} still TRANSFERRING after {TIMEOUT_S} s")
+
+
+def _assert_pulled(caches: list[torch.Tensor], peer: Peer, remote: list[int],
+                   local: list[int]) -> None:
+    """Local block local[i] holds exactly the peer's block remote[i]; every other is zero."""
+    for layer, (t, sent) in enumerate(zip(caches, peer.layers, strict=True)):
+        got = _raw(t)
+        for r, d in zip(remote, local, strict=True):
+            assert np.array_equal(got[:, :, d], sent[:, :, r]), f"layer {layer} block {d}"
+        others = [b for b in range(RECEIVER_BLOCKS) if b not in local]
+        assert not got[:, :, others].any(), f"layer {layer}: a block outside {local} changed"
+
+
+def test_pull_scattered_blocks(peer):
+    with _receiver(peer.layout) as (receiver, caches):
+        receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
+        receiver.start_load("t1", peer.engine_id, REMOTE_IDS, LOCAL_IDS)
+        assert _wait(receiver, "t1") == (TransferState.SUCCESS, None)
+        _assert_pulled(caches, peer, REMOTE_IDS, LOCAL_IDS)
+        # a finished transfer is forgotten
+        state, reason = receiver.poll("t1")
+        assert state is TransferState.FAILED and "unknown transfer" in reason
+
+        # re-adding the same peer is harmless; the id can be reused once forgotten
+        receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
+        receiver.start_load("t1", peer.engine_id, [0, 8], [0, 11])
+        assert _wait(receiver, "t1") == (TransferState.SUCCESS, None)
+        _assert_pulled(caches, peer, REMOTE_IDS + [0, 8], LOCAL_IDS + [0, 11])
+
+
+def test_incompatible_layout_is_refused(peer):
+    other = _layout(peer.layout.dtype, block_size=32)
+    with _receiver(other) as (receiver, _):
+        with pytest.raises(IncompatiblePeer, match="block_size"):
+            receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
+        receiver.start_load("t", peer.engine_id, [0], [0])
+        state, reason = receiver.poll("t")
+        assert state is TransferState.FAILED and "unknown peer" in reason
+
+
+@pytest.mark.parametrize("remote, local, why", [
+    ([SENDER_BLOCKS], [0], "remote block ids [9] out of range"),
+    ([0, -1], [0, 1], "remote block ids [-1] out of range"),
+    ([0], [RECEIVER_BLOCKS], "local block ids [13] out of range"),
+    ([0, 1], [0], "2 remote blocks but 1 local"),
+    ([0, 1], [3, 3], "duplicate local block ids"),
+])
+def test_bad_block_ids_fail_with_a_reason(peer, remote, local, why):
+    with _receiver(peer.layout) as (receiver, caches):
+        receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
+        receiver.start_load("bad", peer.engine_id, remote, local)
+        state, reason = _wait(receiver, "bad")
+        assert state is TransferState.FAILED and why in reason
+        assert not any(t.any() for t in caches), "a failed transfer wrote something"
+        receiver.start_load("unknown-peer", "nobody", [0], [0])
+        assert receiver.poll("unknown-peer") == (TransferState.FAILED, "unknown peer nobody")
+
+
+def _within(seconds: float, fn):
+    """Run fn in a thread; fail the test if it has not returned after `seconds`."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # re-raised in the test's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"hung for more than {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def test_dead_peer_fails_fast():
+    with _sender(_layout()) as peer, _receiver(peer.layout) as (receiver, caches):
+        receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
+        receiver.start_load("warm", peer.engine_id, [1], [0])
+        assert _wait(receiver, "warm") == (TransferState.SUCCESS, None)
+
+        peer.proc.kill()
+        peer.proc.join()
+
+        def pull_from_dead_peer():
+            receiver.start_load("dead", peer.engine_id, REMOTE_IDS, LOCAL_IDS)
+            return _wait(receiver, "dead")
+
+        # NIXL sees the UCX endpoint fail and refuses to post: FAILED at once
+        state, reason = _within(TIMEOUT_S, pull_from_dead_peer)
+        assert state is TransferState.FAILED and "DISCONNECT" in reason
+        assert not any(t[:, :, LOCAL_IDS].any() for t in caches)
+
+        # a connector that never met the peer cannot add it: UCX is refused at once
+        with _receiver(peer.layout) as (late, _):
+            with pytest.raises(ConnectionError, match=peer.engine_id):
+                _within(TIMEOUT_S, lambda: late.add_peer(peer.engine_id, peer.layout,
+                                                         peer.metadata))
