@@ -4,7 +4,6 @@ WorkerService (stats, KV bytes, prefix lookup), and proto builders."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import grpc
 from baton.v1 import generation_pb2 as gen
@@ -17,27 +16,10 @@ from services.engine.kv_blocks import read_blocks
 from services.engine.kv_layout import KVLayout
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from services.serving.convert import sampling_kwargs
 from services.worker.async_engine import AsyncEngine
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Engine flags; each defaults to a BATON_<NAME> environment variable if set."""
-    env = os.environ.get
-    parser.add_argument("--model", default=env("BATON_MODEL"),
-                        help="a .gguf file or an HF model directory (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default=env("BATON_DTYPE", "bfloat16"))
-    parser.add_argument("--device", default=env("BATON_DEVICE", "auto"))
-    parser.add_argument("--block-size", type=int, default=int(env("BATON_BLOCK_SIZE", "16")))
-    parser.add_argument("--kv-cache-gib", type=float,
-                        default=float(env("BATON_KV_CACHE_GIB", "2")))
-    parser.add_argument("--max-num-seqs", type=int, default=int(env("BATON_MAX_NUM_SEQS", "256")))
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=int(env("BATON_MAX_NUM_BATCHED_TOKENS", "2048")))
-    parser.add_argument("--max-model-len", type=int, default=env("BATON_MAX_MODEL_LEN"))
-    parser.add_argument("--threads", type=int, default=env("BATON_THREADS"),
-                        help="torch intra-op threads (default: torch's choice)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -52,9 +34,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=int(args.max_model_len) if args.max_model_len else None)
 
 
-def sampling_params(msg: gen.SamplingParams, context_abort=None) -> SamplingParams:
-    from services.serving.convert import sampling_kwargs
-
+def sampling_params(msg: gen.SamplingParams) -> SamplingParams:
     return SamplingParams(**sampling_kwargs(msg))
 
 

@@ -1,0 +1,202 @@
+"""The decode worker: an engine in the decode role behind DecodeService and WorkerService.
+A request arrives with its first token and a KV handle; the engine allocates its blocks,
+pulls from the prefill worker only those its own prefix cache lacks, tells the prefill
+worker to release its lease, and streams every token as it is sampled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+
+from kv_transfer import make_receiver
+from services.engine.engine import LLMEngine
+from services.engine.kv_layout import IncompatibleLayout, KVLayout
+from services.engine.request import RemoteKV
+from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
+from services.serving.server import CHANNEL_OPTIONS, run_server, service_name
+from services.worker.async_engine import AsyncEngine
+from services.worker.common import (
+    WorkerServicer,
+    engine_config,
+    layout_from_message,
+    layout_message,
+    sampling_params,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    """Prefill engines we have shaken hands with: engine id -> address and channels."""
+
+    def __init__(self):
+        self.address: dict[str, str] = {}
+        self.by_address: dict[str, str] = {}
+        self.aio: dict[str, wk_grpc.PrefillServiceStub] = {}
+        self.sync: dict[str, grpc.Channel] = {}
+
+    def fetch(self, engine_id: str, block_ids: list[int]):
+        """Block bytes over the gRPC fallback (runs on the receiver's threads)."""
+        stub = wk_grpc.WorkerServiceStub(self.sync[engine_id])
+        for msg in stub.ReadKvBlocks(wk.ReadKvBlocksRequest(block_ids=block_ids), timeout=60):
+            yield msg.data
+
+
+def _warm_up(receiver, engine_id: str, timeout_s: float = 10.0) -> None:
+    """Copy the peer's null block into ours once: the transport's first transfer sets up
+    its connection (about half a second over UCX), so no request pays for that. The null
+    block only pads tables; nothing reads what it holds."""
+    tid = f"warm-up-{engine_id}"
+    receiver.start_load(tid, engine_id, [0], [0])
+    deadline = time.monotonic() + timeout_s
+    while not receiver.poll(tid)[0].done and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+class DecodeServicer(wk_grpc.DecodeServiceServicer):
+    def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers):
+        self.aengine = aengine
+        self.engine_id = engine_id
+        self.transport = transport
+        self.peers = peers
+        self.layout = KVLayout.of_engine(aengine.engine)
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    async def _connect(self, address: str, context) -> str:
+        """Handshake with the prefill worker at `address` (once); its engine id."""
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            if address in self.peers.by_address:
+                return self.peers.by_address[address]
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = wk_grpc.PrefillServiceStub(channel)
+            try:
+                reply = await stub.Handshake(wk.HandshakeRequest(
+                    engine_id=self.engine_id, layout=layout_message(self.layout)), timeout=10)
+                layout = layout_from_message(reply.layout)
+                self.layout.check_compatible(layout)
+                if reply.transport != self.transport:
+                    raise IncompatibleLayout(f"KV transport: ours {self.transport!r}, "
+                                             f"peer {reply.transport!r}")
+                receiver = self.aengine.engine.kv_receiver
+                await asyncio.to_thread(receiver.add_peer, reply.engine_id, layout,
+                                        reply.transport_metadata)
+                await asyncio.to_thread(_warm_up, receiver, reply.engine_id)
+            except IncompatibleLayout as e:
+                await channel.close()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"prefill worker {address} is incompatible: {e}")
+            except grpc.aio.AioRpcError as e:
+                await channel.close()
+                code = e.code()
+                if code != grpc.StatusCode.FAILED_PRECONDITION:
+                    code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"handshake with {address}: {e.details()}")
+            eid = reply.engine_id
+            self.peers.address[eid], self.peers.by_address[address] = address, eid
+            self.peers.aio[eid] = stub
+            self.peers.sync[eid] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            log.info("connected to prefill engine %s at %s", eid, address)
+            return eid
+
+    async def Connect(self, request, context):
+        eid = await self._connect(request.prefill_address, context)
+        return wk.ConnectResponse(prefill_engine_id=eid, transport=self.transport)
+
+    async def Decode(self, request, context):
+        handle = request.handle
+        if handle.engine_id not in self.peers.address:
+            if not request.prefill_address:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"unknown prefill engine {handle.engine_id!r}")
+            await self._connect(request.prefill_address, context)
+        if handle.fingerprint and handle.fingerprint != self.layout.fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "KV handle fingerprint does not match this engine's layout")
+        try:
+            params = sampling_params(request.sampling)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        remote = RemoteKV(handle.engine_id, tuple(handle.block_ids), handle.num_tokens)
+
+        def add(engine: LLMEngine):
+            engine.add_remote_request(list(request.prompt_token_ids), request.first_token_id,
+                                      remote, params, request_id=rid,
+                                      priority=request.priority,
+                                      cache_salt=request.cache_salt or None)
+
+        released = False
+        first = True
+        try:
+            async for out in self.aengine.generate(rid, add):
+                if not released:
+                    released = True  # the load is over, whatever its outcome
+                    self._release(handle.engine_id, rid)
+                if out.error:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                reply = wk.DecodeResponse(
+                    token_ids=out.new_token_ids, text=out.new_text,
+                    finish_reason=FINISH[out.finish_reason])
+                if out.logprobs:
+                    reply.logprobs.extend(logprobs_messages(out.logprobs[-len(
+                        out.new_token_ids):] if out.new_token_ids else []))
+                set_stop_reason(reply, out.stop_reason)
+                if first:
+                    first = False
+                    reply.cached_tokens = out.num_cached_tokens
+                    reply.kv_transfer_s = out.transfer_time or 0.0
+                yield reply
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if not released:
+                self._release(handle.engine_id, rid)
+
+    def _release(self, engine_id: str, rid: str) -> None:
+        stub = self.peers.aio.get(engine_id)
+        if stub is None:
+            return
+
+        async def call():
+            try:
+                await stub.ReleaseKv(wk.ReleaseKvRequest(request_id=rid), timeout=10)
+            except grpc.aio.AioRpcError as e:  # the lease expires on its own
+                log.warning("release of %s on %s failed: %s", rid, engine_id, e.code())
+
+        asyncio.get_running_loop().create_task(call())
+
+
+def register(aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers):
+    def add(server: grpc.aio.Server) -> list[str]:
+        wk_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(aengine, engine_id, transport, peers), server)
+        wk_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(aengine, engine_id, "decode"), server)
+        return [service_name(wk, "DecodeService"), service_name(wk, "WorkerService")]
+
+    return add
+
+
+def serve(args) -> None:
+    engine = LLMEngine(engine_config(args))
+    layout = KVLayout.of_engine(engine)
+    peers = Peers()
+    receiver = make_receiver(args.kv_transport, args.engine_id, layout,
+                             engine.runner.kv_caches, fetch=peers.fetch)
+    engine.kv_receiver = receiver
+    aengine = AsyncEngine(engine)
+
+    async def stop():
+        aengine.stop()
+        receiver.close()
+
+    log.info("decode engine %s, KV transport %s, layout %s", args.engine_id,
+             args.kv_transport, layout.fingerprint)
+    asyncio.run(run_server(args.address, register(aengine, args.engine_id, args.kv_transport,
+                                                  peers), on_stop=stop))

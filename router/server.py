@@ -1,0 +1,184 @@
+"""The router: the public Generation API in front of prefill and decode workers.
+
+One request's path (shared/DESIGN.md): validate and tokenize; pick a prefill and a decode
+worker by load; Prefill returns the first token and a KV handle, streamed to the client at
+once; Decode on the decode worker pulls the KV and streams the rest. The client's deadline
+goes on to each call, and a cancelled client cancels the call in flight, which aborts the
+request on that worker and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+
+from router.registry import Registry
+from services.serving.convert import chat_messages, stop_reason_of
+from services.serving.server import run_server, service_name
+from services.serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Worker errors that mean "your request is wrong", passed on as they are; others become
+# UNAVAILABLE (the worker or the network failed, not the client).
+PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.CANCELLED}
+
+
+class RouterServicer(gen_grpc.GenerationServicer):
+    def __init__(self, registry: Registry, tokenizer: Tokenizer):
+        self.registry = registry
+        self.tokenizer = tokenizer
+
+    async def _prompt_ids(self, request, context) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        try:
+            if kind == "text":
+                ids = self.tokenizer.encode(request.text)
+            elif kind == "token_ids":
+                ids = list(request.token_ids.ids)
+            elif kind == "chat":
+                ids = self.tokenizer.apply_chat_template(chat_messages(request.chat))
+            else:
+                raise ValueError("the request has no prompt (text, token_ids or chat)")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        info = self.registry.model_info()
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        if info is not None:
+            bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"token id {bad} is outside the vocabulary "
+                                    f"[0, {info.vocab_size})")
+            if len(ids) >= info.max_model_len:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt has {len(ids)} tokens; max_model_len is "
+                                    f"{info.max_model_len}")
+        return ids
+
+    async def Generate(self, request, context):
+        t0 = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        ids = await self._prompt_ids(request, context)
+        try:
+            prefill, decode = self.registry.pick()
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        timeout = context.time_remaining()
+        usage = gen.Usage(prompt_tokens=len(ids))
+        timings = gen.Timings()
+
+        # 1. Prefill: the first token and the KV handle.
+        preq = wk.PrefillRequest(request_id=rid, prompt_token_ids=ids,
+                                 sampling=request.sampling, priority=request.priority,
+                                 cache_salt=request.cache_salt)
+        prefill.inflight += 1
+        try:
+            first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
+                preq, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            await self._abort_from(context, e, f"prefill worker {prefill.address}")
+        finally:
+            prefill.inflight -= 1
+        usage.completion_tokens = 1
+        usage.cached_tokens = first.cached_tokens
+        timings.queue_s, timings.prefill_s = first.queue_s, first.prefill_s
+        timings.first_token_s = time.monotonic() - t0
+        reply = gen.GenerateResponse(request_id=rid, token_ids=[first.first_token_id],
+                                     text=first.text, timings=timings)
+        if first.HasField("logprobs"):
+            reply.logprobs.append(first.logprobs)
+        if first.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+            reply.finish_reason = first.finish_reason
+            _copy_stop(reply, first)
+            reply.usage.CopyFrom(usage)
+            yield reply
+            return
+        yield reply
+
+        # 2. Decode: the rest, streamed as it is sampled.
+        dreq = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                first_token_id=first.first_token_id,
+                                sampling=request.sampling, priority=request.priority,
+                                cache_salt=request.cache_salt, handle=first.handle,
+                                prefill_address=prefill.address)
+        remaining = context.time_remaining()
+        call = wk_grpc.DecodeServiceStub(decode.channel).Decode(dreq, timeout=remaining)
+        decode.inflight += 1
+        try:
+            async for msg in call:
+                out = gen.GenerateResponse(request_id=rid, token_ids=msg.token_ids,
+                                           text=msg.text, logprobs=msg.logprobs)
+                usage.completion_tokens += len(msg.token_ids)
+                if msg.kv_transfer_s:
+                    timings.kv_transfer_s = msg.kv_transfer_s
+                if msg.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                    out.finish_reason = msg.finish_reason
+                    _copy_stop(out, msg)
+                    out.usage.CopyFrom(usage)
+                    out.timings.CopyFrom(timings)
+                yield out
+        except grpc.aio.AioRpcError as e:
+            await self._abort_from(context, e, f"decode worker {decode.address}")
+        finally:
+            decode.inflight -= 1
+            call.cancel()  # a no-op when done; else the client left: end it on the worker
+
+    async def _abort_from(self, context, e: grpc.aio.AioRpcError, where: str) -> None:
+        code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, f"{where}: {e.details()}")
+
+    async def Tokenize(self, request, context):
+        kind = request.WhichOneof("prompt")
+        try:
+            if kind == "chat":
+                ids = self.tokenizer.apply_chat_template(chat_messages(request.chat))
+            else:
+                ids = self.tokenizer.encode(request.text)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return gen.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(self, request, context):
+        info = self.registry.model_info()
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet")
+        return gen.GetModelInfoResponse(info=info)
+
+
+def _copy_stop(dst, src) -> None:
+    reason = stop_reason_of(src)
+    if isinstance(reason, str):
+        dst.stop_string = reason
+    elif isinstance(reason, int):
+        dst.stop_token_id = reason
+
+
+def serve(args) -> None:
+    from services.serving.default_model import default_model_path
+
+    tokenizer = Tokenizer(args.model or default_model_path())
+    registry = Registry(args.prefill, args.decode)
+
+    async def main():
+        await registry.start()
+
+        def register(server: grpc.aio.Server) -> list[str]:
+            gen_grpc.add_GenerationServicer_to_server(RouterServicer(registry, tokenizer),
+                                                      server)
+            return [service_name(gen, "Generation")]
+
+        await run_server(args.address, register, on_stop=registry.close)
+
+    asyncio.run(main())

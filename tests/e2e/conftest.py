@@ -1,0 +1,47 @@
+"""One disaggregated topology (router, prefill, decode over NIXL) per test session."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+
+from tests.e2e.topology import Topology, channel
+
+
+@pytest.fixture(scope="session")
+def topology(tmp_path_factory, model_path):
+    topo = Topology(tmp_path_factory.mktemp("services"))
+    try:
+        prefill = topo.worker("prefill", "--kv-transport", "nixl")
+        decode = topo.worker("decode", "--kv-transport", "nixl")
+        router = topo.start("router", "--prefill", prefill, "--decode", decode)
+        _wait_paired(router, decode)
+        yield {"router": router, "prefill": prefill, "decode": decode, "topology": topo}
+    finally:
+        topo.stop()
+
+
+def _wait_paired(router: str, decode: str, timeout: float = 30.0) -> None:
+    """The router's first poll makes the decode worker shake hands with the prefill."""
+    from baton.v1 import generation_pb2 as gen
+    from baton.v1 import generation_pb2_grpc as gen_grpc
+
+    deadline = time.monotonic() + timeout
+    with channel(router) as ch:
+        stub = gen_grpc.GenerationStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                req = gen.GenerateRequest(text="hi", sampling=gen.SamplingParams(max_tokens=2))
+                list(stub.Generate(req, timeout=30))
+                return
+            except Exception:  # noqa: BLE001 - not paired yet
+                time.sleep(0.2)
+    raise TimeoutError("router never paired the workers")
+
+
+def stats(address: str) -> wk.GetStatsResponse:
+    with channel(address) as ch:
+        return wk_grpc.WorkerServiceStub(ch).GetStats(wk.GetStatsRequest(), timeout=5)

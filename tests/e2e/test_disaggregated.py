@@ -1,0 +1,223 @@
+"""The whole system as processes on loopback: router -> prefill worker -> NIXL -> decode
+worker. Compared against the offline engine, the workers' own KV bytes and pool stats."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.engine import SamplingParams
+from tests.e2e.conftest import stats
+from tests.e2e.topology import channel
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "List three prime numbers greater than one hundred:",
+    "Explain what a KV cache is in one sentence. " * 4,
+    "def fibonacci(n):",
+    "Once upon a time, in a land of paged memory,",
+]
+
+
+@pytest.fixture(scope="module")
+def offline(make_llm):
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
+
+
+def greedy(max_tokens: int, **kw) -> gen.SamplingParams:
+    return gen.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run(router: str, request: gen.GenerateRequest, timeout: float = 120):
+    with channel(router) as ch:
+        return list(gen_grpc.GenerationStub(ch).Generate(request, timeout=timeout))
+
+
+def joined(msgs) -> tuple[list[int], str]:
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
+def test_greedy_text_equals_offline_engine(topology, offline):
+    want = offline.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0))
+    for prompt, ref in zip(PROMPTS, want, strict=True):
+        msgs = run(topology["router"], gen.GenerateRequest(text=prompt, sampling=greedy(32)))
+        ids, text = joined(msgs)
+        assert (ids, text) == (ref.token_ids, ref.text), prompt
+        last = msgs[-1]
+        assert gen.FinishReason.Name(last.finish_reason).lower().endswith(ref.finish_reason)
+        assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert last.usage.completion_tokens == len(ref.token_ids)
+        assert all(m.finish_reason == 0 for m in msgs[:-1])
+
+
+def test_chat_and_token_id_prompts(topology, offline):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ref = offline.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))
+    chat = gen.ChatMessages(messages=[gen.ChatMessage(**m) for m in messages])
+    ids, text = joined(run(topology["router"],
+                           gen.GenerateRequest(chat=chat, sampling=greedy(16))))
+    assert (ids, text) == (ref.token_ids, ref.text)
+    ids2, _ = joined(run(topology["router"], gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=ref.prompt_token_ids), sampling=greedy(16))))
+    assert ids2 == ref.token_ids
+
+
+def test_first_delta_streams_before_the_last_token(topology):
+    req = gen.GenerateRequest(text="Count slowly:", sampling=greedy(48, ignore_eos=True))
+    seen_running = []
+    n = 0
+    with channel(topology["router"]) as ch:
+        for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
+            n += len(msg.token_ids)
+            if n == 2:  # the first decode delta: the request must still be decoding
+                seen_running.append(stats(topology["decode"]).num_running)
+    assert n == 48
+    assert seen_running == [1]
+
+
+def test_sixteen_concurrent_clients(topology, offline):
+    prompts = [f"Tell me fact number {i} about the number {i * 7}." for i in range(16)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0))
+    got: dict[int, tuple[list[int], str]] = {}
+
+    def client(i: int) -> None:
+        got[i] = joined(run(topology["router"],
+                            gen.GenerateRequest(text=prompts[i], sampling=greedy(20))))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [got.get(i) for i in range(16)] == [(w.token_ids, w.text) for w in want]
+
+
+def _cached_blocks(address: str, ids: list[int]) -> list[int]:
+    with channel(address) as ch:
+        stub = wk_grpc.WorkerServiceStub(ch)
+        return list(stub.LookupPrefix(wk.LookupPrefixRequest(token_ids=ids)).block_ids)
+
+
+def _read(address: str, blocks: list[int]) -> bytes:
+    with channel(address) as ch:
+        stub = wk_grpc.WorkerServiceStub(ch)
+        return b"".join(m.data for m in stub.ReadKvBlocks(
+            wk.ReadKvBlocksRequest(block_ids=blocks)))
+
+
+def _tokens(router: str, text: str) -> list[int]:
+    with channel(router) as ch:
+        return list(gen_grpc.GenerationStub(ch).Tokenize(
+            gen.TokenizeRequest(text=text)).token_ids)
+
+
+def test_kv_bytes_on_decode_equal_prefill(topology):
+    text = "Exact bytes: the decode worker never recomputes the prompt. " * 5
+    run(topology["router"], gen.GenerateRequest(text=text, sampling=greedy(4)))
+    ids = _tokens(topology["router"], text)
+    p_blocks = _cached_blocks(topology["prefill"], ids)
+    d_blocks = _cached_blocks(topology["decode"], ids)
+    assert len(p_blocks) == len(d_blocks) == len(ids) // 16 >= 3
+    src, dst = _read(topology["prefill"], p_blocks), _read(topology["decode"], d_blocks)
+    assert len(src) > 0 and src == dst
+
+
+def test_only_missing_blocks_move(topology, offline):
+    base = "A shared system prompt that many requests start with, block after block. " * 4
+    longer = base + "And then a question that only this request asks?"
+    router, decode = topology["router"], topology["decode"]
+    run(router, gen.GenerateRequest(text=base, sampling=greedy(4)))
+    before = stats(decode)
+    msgs = run(router, gen.GenerateRequest(text=longer, sampling=greedy(8)))
+    after = stats(decode)
+    n_base, n_long = len(_tokens(router, base)), len(_tokens(router, longer))
+    pulled = after.num_blocks_pulled - before.num_blocks_pulled
+    local = after.num_blocks_local - before.num_blocks_local
+    assert local == n_base // 16
+    assert pulled == -(-n_long // 16) - n_base // 16
+    ref = offline.generate([longer], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert joined(msgs)[0] == ref.token_ids
+
+
+def _all_free(address: str) -> bool:
+    s = stats(address)
+    return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==
+            s.num_loading == s.num_leases == 0)
+
+
+def test_cancel_frees_every_block_within_a_second(topology):
+    req = gen.GenerateRequest(text="Write a very long story.",
+                              sampling=greedy(400, ignore_eos=True))
+    with channel(topology["router"]) as ch:
+        call = gen_grpc.GenerationStub(ch).Generate(req, timeout=120)
+        for i, _ in enumerate(call):
+            if i == 3:
+                break
+        assert not _all_free(topology["decode"])
+        call.cancel()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            if _all_free(topology["decode"]) and _all_free(topology["prefill"]):
+                break
+            time.sleep(0.02)
+    assert _all_free(topology["decode"]) and _all_free(topology["prefill"])
+
+
+def test_bad_input_gets_invalid_argument(topology):
+    cases = [gen.GenerateRequest(text=""),
+             gen.GenerateRequest(text="hi", sampling=gen.SamplingParams(temperature=-1)),
+             gen.GenerateRequest(token_ids=gen.TokenIds(ids=[10**8])),
+             gen.GenerateRequest()]
+    for req in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            run(topology["router"], req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+    assert _all_free(topology["prefill"]) and _all_free(topology["decode"])
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+def test_health_and_reflection(topology, role):
+    address = topology[role]
+    with channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                     timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        [resp] = list(stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in resp.list_services_response.service}
+    expected = {"router": "baton.v1.Generation", "prefill": "baton.v1.PrefillService",
+                "decode": "baton.v1.DecodeService"}[role]
+    assert {expected, "grpc.health.v1.Health"} <= names
+
+
+def test_decode_worker_with_other_block_size_is_rejected(topology):
+    topo = topology["topology"]
+    bad = topo.worker("decode", "--block-size", "32", "--kv-transport", "nixl")
+    with channel(bad) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            wk_grpc.DecodeServiceStub(ch).Connect(
+                wk.ConnectRequest(prefill_address=topology["prefill"]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size" in e.value.details()
+    # A router with only that decode worker says why it cannot serve, at once.
+    router = topo.start("router", "--prefill", topology["prefill"], "--decode", bad)
+    deadline = time.monotonic() + 10
+    while True:
+        with pytest.raises(grpc.RpcError) as e:
+            run(router, gen.GenerateRequest(text="hi"), timeout=10)
+        if "block_size" in e.value.details() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "block_size" in e.value.details()

@@ -1,0 +1,56 @@
+"""Start Baton services as real processes on loopback, as `baton serve` starts them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+
+from services.serving.launcher import stop_all, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small and exact: fp32 (so greedy text matches an offline engine batch for batch), one
+# torch thread each (two cores, three processes), a small KV budget.
+WORKER_FLAGS = ["--dtype", "float32", "--threads", "1", "--kv-cache-gib", "0.25",
+                "--max-num-batched-tokens", "256", "--log-level", "WARNING"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Topology:
+    """Processes started here, stopped together."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, role: str, *flags: str, wait: bool = True) -> str:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        log = open(self.log_dir / f"{role}-{port}.log", "w")
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+        cmd = [sys.executable, "-m", "services.serving.cli", "serve", "--role", role,
+               "--address", address, *flags]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        if wait:
+            wait_healthy(address, proc, timeout=180)
+        return address
+
+    def worker(self, role: str, *flags: str) -> str:
+        return self.start(role, *WORKER_FLAGS, *flags)
+
+    def stop(self) -> None:
+        stop_all(self.procs)
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address)
