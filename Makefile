@@ -3,7 +3,8 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+# The GGUF and the tokenizer saved beside it (the torch-free router reads that).
+MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
 .PHONY: install model test lint protos protos-check serve bench clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
@@ -44,7 +45,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 serve: $(STAMP) $(MODEL)
-	$(BIN)/python -m services.engine.demo
+	$(BIN)/baton up
 
 bench: $(STAMP) $(MODEL)
 	$(BIN)/python -m services.bench.offline --workload w1

@@ -58,6 +58,39 @@ def _bad_ids(ids: list[int], num_blocks: int) -> list[int]:
     return [b for b in ids if not isinstance(b, (int, np.integer)) or not 0 <= b < num_blocks]
 
 
+PROGRESS_DELAY_US = 100
+_agent_lock = threading.Lock()
+
+
+def _make_agent(name: str):
+    """A UCX agent whose progress thread sleeps PROGRESS_DELAY_US between polls.
+
+    The peer's progress thread must answer our READs, so it cannot be turned off; but
+    nixl_agent hard-codes a delay of 0, and a thread that never sleeps costs a whole core
+    per worker (seen: 100% of a core each, idle). The Python wrapper exposes no setting,
+    so the config object is adjusted on its way to the binding's constructor.
+    """
+    from nixl_cu12 import _api
+
+    real = _api.nixlBind
+
+    class _Binding:
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name, config):
+            config.pthrDelay = PROGRESS_DELAY_US
+            return real.nixlAgent(agent_name, config)
+
+    with _agent_lock:
+        _api.nixlBind = _Binding()
+        try:
+            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        finally:
+            _api.nixlBind = real
+
+
 class NixlConnector(KVSender, KVReceiver):
     """One NIXL agent (named engine_id, UCX backend) that both exposes and pulls blocks."""
 
@@ -81,7 +114,7 @@ class NixlConnector(KVSender, KVReceiver):
         self._finished: dict[str, tuple[TransferState, str | None]] = {}  # never posted
         self._closed = False
 
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
+        self.agent = _make_agent(engine_id)
         regions = [(addr, layer_bytes, self.device_id, "") for addr in self._base_addrs]
         self._reg = self.agent.register_memory(regions, self.mem_type)
         table = _chunk_table(self._base_addrs, self.num_blocks, layout, self.device_id)

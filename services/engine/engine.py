@@ -190,14 +190,12 @@ class LLMEngine:
         (or failed). Also moves remote KV loads along and expires stale leases."""
         outputs = self._poll_loads()
         self.scheduler.expire_leases(time.monotonic())
+        loads = self.scheduler.schedule_loads()
+        if loads:
+            self._start_loads(loads)
+            outputs += self._poll_loads()  # a transport that copied at once: decode now
         sched = self.scheduler.schedule()
-        for req, remote_ids, local_ids in sched.loads:
-            req.load_start = time.monotonic()
-            if remote_ids:
-                self.kv_receiver.start_load(req.request_id, req.remote.engine_id, remote_ids,
-                                            local_ids)
-            else:  # every remote block was in our own prefix cache
-                self.scheduler.finish_load(req.request_id, None)
+        self._start_loads(sched.loads)
         if not sched.scheduled:
             return outputs
         sampled = self.runner.execute(sched, self.kv)
@@ -221,6 +219,15 @@ class LLMEngine:
             if req.status.finished:
                 del self._detok[req.request_id]
         return outputs
+
+    def _start_loads(self, loads) -> None:
+        for req, remote_ids, local_ids in loads:
+            req.load_start = time.monotonic()
+            if remote_ids:
+                self.kv_receiver.start_load(req.request_id, req.remote.engine_id, remote_ids,
+                                            local_ids)
+            else:  # every remote block was in our own prefix cache
+                self.scheduler.finish_load(req.request_id, None)
 
     def _poll_loads(self) -> list[RequestOutput]:
         """Finish every remote KV load the transport reports done; report failed ones."""

@@ -130,7 +130,7 @@ class Scheduler:
                and len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting.peek()
             if req.remote is not None and req.num_computed_tokens == 0:
-                if not self._admit_remote(req, out):
+                if not self._admit_remote(req, out.loads):
                     break
                 continue
             # Prefix-cache hits cost no budget: only the tokens after them are computed.
@@ -157,7 +157,19 @@ class Scheduler:
         out.scheduled = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
         return out
 
-    def _admit_remote(self, req: Request, out: SchedulerOutput) -> bool:
+    def schedule_loads(self) -> list[tuple[Request, list[int], list[int]]]:
+        """Admit the remote-KV requests at the head of the waiting queue, before the step
+        is scheduled: a transport that finishes at once lets them decode in this step."""
+        loads: list[tuple[Request, list[int], list[int]]] = []
+        while (len(self.waiting) and len(self.running) + len(self.loading) < self.max_num_seqs):
+            req = self.waiting.peek()
+            if req.remote is None or req.num_computed_tokens != 0:
+                break
+            if not self._admit_remote(req, loads):
+                break
+        return loads
+
+    def _admit_remote(self, req: Request, loads: list) -> bool:
         """Allocate a decode-role request's prompt blocks: prefix-cache hits are kept, the
         rest are listed for the transport and published only once filled. Costs no token
         budget. False if the pool is short."""
@@ -177,7 +189,7 @@ class Scheduler:
         self.num_blocks_pulled += len(local_ids)
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req
-        out.loads.append((req, list(remote.block_ids[len(hits):]), local_ids))
+        loads.append((req, list(remote.block_ids[len(hits):]), local_ids))
         return True
 
     def finish_load(self, request_id: str, error: str | None) -> Request | None:

@@ -3,6 +3,7 @@
     baton serve --role router|prefill|decode|colocated   one service, in the foreground
     baton up                                               router + prefill + decode locally
     baton generate "prompt"                                stream a completion to stdout
+    baton health ADDRESS                                   exit 0 if it answers SERVING
 
 Flags default to BATON_* environment variables (for docker compose). Each role's module
 is imported by name, so the router never loads the engine (or torch).
@@ -70,11 +71,15 @@ def main(argv: list[str] | None = None) -> None:
 
     launcher.add_parser(sub)
     client.add_parser(sub)
+    health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
+    health.add_argument("address")
     args = parser.parse_args(argv)
     if args.command == "serve":
         _serve(args)
     elif args.command == "up":
         launcher.up(args)
+    elif args.command == "health":
+        sys.exit(0 if launcher.is_serving(args.address) else 1)
     else:
         client.generate(args)
 

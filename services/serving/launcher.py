@@ -46,6 +46,16 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"{address} was not healthy after {timeout:.0f}s")
 
 
+def is_serving(address: str, timeout: float = 3.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def spawn(role: str, port: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.serving.cli", "serve", "--role", role,
            "--address", f"127.0.0.1:{port}", *extra]

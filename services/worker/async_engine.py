@@ -87,6 +87,10 @@ class AsyncEngine:
                 calls, self._calls = self._calls, []
                 stopped = self._stopped
             for fn, fut in calls:
+                # A caller that gave up (cancelled) before its turn: skip its call. Once
+                # running, a future can no longer be cancelled, so the set_* below are safe.
+                if not fut.set_running_or_notify_cancel():
+                    continue
                 try:
                     fut.set_result(fn(engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller

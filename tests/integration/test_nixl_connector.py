@@ -216,3 +216,18 @@ def test_dead_peer_fails_fast():
             with pytest.raises(ConnectionError, match=peer.engine_id):
                 _within(TIMEOUT_S, lambda: late.add_peer(peer.engine_id, peer.layout,
                                                          peer.metadata))
+
+
+def test_idle_connector_does_not_burn_a_core():
+    """NIXL's progress thread must sleep between polls: a worker that waits costs nothing."""
+    layout = KVLayout(model="m", dtype="float32", block_size=16, num_layers=2, num_kv_heads=2,
+                      head_dim=8)
+    caches = [torch.zeros(2, 2, 4, 16, 8) for _ in range(2)]
+    connector = NixlConnector(f"idle-{uuid.uuid4().hex[:8]}", layout, caches)
+    try:
+        t0, c0 = time.monotonic(), time.process_time()
+        time.sleep(1.0)
+        busy = (time.process_time() - c0) / (time.monotonic() - t0)
+    finally:
+        connector.close()
+    assert busy < 0.3, f"an idle connector used {busy:.0%} of a core"

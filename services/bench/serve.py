@@ -1,0 +1,187 @@
+"""Serving benchmark: W1 through the public API, disaggregated (router -> prefill worker
+-> NIXL -> decode worker) and colocated (one engine), at several concurrencies, in the
+same run, one topology at a time on the machine.
+
+    python -m services.bench.serve [--concurrency 16 64] [--rounds 1] [--json]
+
+Prints, per mode and concurrency: output throughput, TTFT p50/p99, ITL p50/p99, and for
+the disaggregated mode the KV transfer time per request, its GB/s and its share of the
+prefill time. Ends with the disaggregated/colocated throughput ratio per concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+
+from services.bench.workloads import make_workload
+from services.serving.launcher import spawn, stop_all, wait_healthy
+
+PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281}
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    transfer: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+    kv_bytes: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+async def run_load(address: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                   block_bytes: int) -> Result:
+    res = Result()
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    params = gen.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+
+        async def client():
+            while not queue.empty():
+                ids = queue.get_nowait()
+                t0 = last = time.perf_counter()
+                n = 0
+                req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=params)
+                async for msg in stub.Generate(req, timeout=600):
+                    now = time.perf_counter()
+                    if n == 0:
+                        res.ttft.append(now - t0)
+                    elif msg.token_ids:
+                        res.itl += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
+                    if msg.token_ids:
+                        last = now
+                    n += len(msg.token_ids)
+                    if msg.finish_reason:
+                        t = msg.timings
+                        res.prefill.append(t.prefill_s)
+                        if t.kv_transfer_s > 0:
+                            res.transfer.append(t.kv_transfer_s)
+                            blocks = -(-len(ids) // 16) - msg.usage.cached_tokens // 16
+                            res.kv_bytes.append(blocks * block_bytes)
+                res.tokens += n
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+def start(mode: str, threads: int, worker_threads: int, kv_gib: float) -> tuple[list, str]:
+    env_flags = ["--kv-cache-gib", str(kv_gib), "--log-level", "WARNING"]
+    procs = []
+    try:
+        if mode == "colocated":
+            procs.append(spawn("colocated", PORTS["colocated"],
+                               env_flags + ["--threads", str(threads)]))
+            wait_healthy(f"127.0.0.1:{PORTS['colocated']}", procs[0], 300)
+            return procs, f"127.0.0.1:{PORTS['colocated']}"
+        for role in ("prefill", "decode"):
+            procs.append(spawn(role, PORTS[role],
+                               env_flags + ["--threads", str(worker_threads)]))
+        for role, p in zip(("prefill", "decode"), procs, strict=True):
+            wait_healthy(f"127.0.0.1:{PORTS[role]}", p, 300)
+        procs.append(spawn("router", PORTS["router"],
+                           ["--prefill", f"127.0.0.1:{PORTS['prefill']}", "--decode",
+                            f"127.0.0.1:{PORTS['decode']}"]))
+        wait_healthy(f"127.0.0.1:{PORTS['router']}", procs[-1], 60)
+        return procs, f"127.0.0.1:{PORTS['router']}"
+    except BaseException:
+        stop_all(procs)
+        raise
+
+
+async def warm_up(address: str, vocab: int) -> None:
+    """Until the path works end to end (the router pairs workers on its first poll)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await run_load(address, [[100 + i for i in range(40)]] * 2, 4, 2, 0)
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def summary(mode: str, c: int, r: Result) -> dict:
+    out = {"mode": mode, "concurrency": c, "tok_s": r.tokens / r.seconds,
+           "ttft_p50_ms": 1000 * pct(r.ttft, 50), "ttft_p99_ms": 1000 * pct(r.ttft, 99),
+           "itl_p50_ms": 1000 * pct(r.itl, 50), "itl_p99_ms": 1000 * pct(r.itl, 99)}
+    if r.transfer:
+        out["kv_transfer_ms_mean"] = 1000 * statistics.mean(r.transfer)
+        out["kv_gb_s_mean"] = statistics.mean(b / t / 1e9 for b, t in
+                                              zip(r.kv_bytes, r.transfer, strict=True))
+        out["transfer_over_prefill"] = sum(r.transfer) / max(1e-9, sum(r.prefill))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                    help="torch threads of the colocated server")
+    ap.add_argument("--worker-threads", type=int, default=os.cpu_count() or 2,
+                    help="torch threads of each disaggregated worker: each may use every "
+                    "core while the other waits")
+    ap.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"])
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    wl = make_workload("w1", 49152)
+    block_bytes = 30 * 2 * 3 * 16 * 64 * 2  # SmolLM2-135M, bf16, block 16: layers*K|V*heads*bs*d
+    rows = []
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            procs, address = start(mode, args.threads, args.worker_threads, args.kv_cache_gib)
+            try:
+                asyncio.run(warm_up(address, 49152))
+                for c in args.concurrency:
+                    r = asyncio.run(run_load(address, wl.prompts, wl.output_len, c,
+                                             block_bytes))
+                    rows.append(summary(mode, c, r))
+                    print(json.dumps(rows[-1]) if args.json else _line(rows[-1]), flush=True)
+            finally:
+                stop_all(procs)
+    for c in args.concurrency if len(args.modes) == 2 else []:
+        d = [x["tok_s"] for x in rows if x["mode"] == "disaggregated" and x["concurrency"] == c]
+        k = [x["tok_s"] for x in rows if x["mode"] == "colocated" and x["concurrency"] == c]
+        print(f"concurrency {c}: disaggregated/colocated throughput "
+              f"{statistics.median(d) / statistics.median(k):.2f}", file=sys.stderr)
+
+
+def _line(x: dict) -> str:
+    s = (f"{x['mode']:>13} c={x['concurrency']:<3} {x['tok_s']:7.1f} tok/s  TTFT p50 "
+         f"{x['ttft_p50_ms']:7.0f} p99 {x['ttft_p99_ms']:7.0f} ms  ITL p50 "
+         f"{x['itl_p50_ms']:6.1f} p99 {x['itl_p99_ms']:6.1f} ms")
+    if "kv_transfer_ms_mean" in x:
+        s += (f"  KV {x['kv_transfer_ms_mean']:.2f} ms/req, {x['kv_gb_s_mean']:.2f} GB/s, "
+              f"{100 * x['transfer_over_prefill']:.1f}% of prefill")
+    return s
+
+
+if __name__ == "__main__":
+    main()

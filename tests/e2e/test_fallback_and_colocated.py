@@ -1,0 +1,68 @@
+"""The gRPC-stream KV fallback end to end, and the colocated server behind the same API."""
+
+from __future__ import annotations
+
+import pytest
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+
+from services.engine import SamplingParams
+from tests.e2e.conftest import stats
+from tests.e2e.test_disaggregated import greedy, joined, run
+from tests.e2e.topology import Topology, channel
+
+PROMPTS = ["The three primary colours are", "Paged KV blocks move between workers. " * 5]
+
+
+@pytest.fixture(scope="module")
+def offline(make_llm):
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, model_path):
+    topo = Topology(tmp_path_factory.mktemp("fallback"))
+    try:
+        prefill = topo.worker("prefill", "--kv-transport", "grpc")
+        decode = topo.worker("decode", "--kv-transport", "grpc")
+        router = topo.start("router", "--prefill", prefill, "--decode", decode)
+        colocated = topo.worker("colocated")
+        yield {"router": router, "decode": decode, "colocated": colocated}
+    finally:
+        topo.stop()
+
+
+def test_grpc_fallback_gives_the_same_text(services, offline):
+    want = offline.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    before = stats(services["decode"]).num_blocks_pulled
+    for prompt, ref in zip(PROMPTS, want, strict=True):
+        msgs = _retry_until_paired(services["router"], prompt)
+        assert joined(msgs) == (ref.token_ids, ref.text)
+    pulled = stats(services["decode"]).num_blocks_pulled - before
+    assert pulled == sum(-(-len(r.prompt_token_ids) // 16) for r in want)
+
+
+def _retry_until_paired(router: str, prompt: str):
+    import time
+
+    import grpc
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return run(router, gen.GenerateRequest(text=prompt, sampling=greedy(24)))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_colocated_serves_the_same_api(services, offline):
+    want = offline.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, ref in zip(PROMPTS, want, strict=True):
+        msgs = run(services["colocated"], gen.GenerateRequest(text=prompt, sampling=greedy(24)))
+        assert joined(msgs) == (ref.token_ids, ref.text)
+        assert msgs[-1].usage.completion_tokens == len(ref.token_ids)
+    with channel(services["colocated"]) as ch:
+        info = gen_grpc.GenerationStub(ch).GetModelInfo(gen.GetModelInfoRequest()).info
+    assert info.max_model_len > 0 and info.vocab_size == offline.engine.model_config.vocab_size

@@ -1,0 +1,69 @@
+"""The engine thread behind asyncio: outputs stream, a consumer that leaves aborts its
+request, and a caller that gives up before its turn neither runs nor kills the thread."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.engine import SamplingParams
+from services.worker.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def aengine(make_llm):
+    a = AsyncEngine(make_llm(dtype="float32").engine)
+    yield a
+    a.stop()
+
+
+def test_stream_then_abort_on_early_exit(aengine, llm):
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = llm.generate(["Once upon a time"], params)[0].token_ids
+
+    async def main():
+        got = []
+        async for out in aengine.generate(
+                "a", lambda e: e.add_request("Once upon a time", params, request_id="a")):
+            got += out.new_token_ids
+        # Leave a stream after two outputs: the request is aborted in the engine.
+        n = 0
+        gen = aengine.generate("b", lambda e: e.add_request(
+            "Once upon a time", SamplingParams(max_tokens=500, ignore_eos=True),
+            request_id="b"))
+        async for _ in gen:
+            n += 1
+            if n == 2:
+                break
+        await gen.aclose()
+        return got, await aengine.call(lambda e: e.has_unfinished_requests())
+
+    got, busy = asyncio.run(main())
+    assert got == want
+    assert not busy
+
+
+def test_cancelled_call_does_not_kill_the_engine_thread(aengine):
+    async def main():
+        # Hold the engine thread in a slow call, queue a second one, give up on it.
+        slow = asyncio.ensure_future(aengine.call(lambda e: __import__("time").sleep(0.3)))
+        await asyncio.sleep(0.05)
+        ran = []
+        second = asyncio.ensure_future(aengine.call(lambda e: ran.append(1)))
+        await asyncio.sleep(0.05)
+        second.cancel()
+        await slow
+        return ran, await aengine.call(lambda e: "alive")
+
+    ran, alive = asyncio.run(main())
+    assert ran == [] and alive == "alive"
+
+
+def test_bad_request_raises_in_the_caller(aengine):
+    async def main():
+        async for _ in aengine.generate("c", lambda e: e.add_request("", None, "c")):
+            pass
+
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(main())
