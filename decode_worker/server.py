@@ -66,6 +66,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         self.peers = peers
         self.layout = KVLayout.of_engine(aengine.engine)
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget releases, kept alive
 
     async def _connect(self, address: str, context) -> str:
         """Handshake with the prefill worker at `address` (once); its engine id."""
@@ -169,7 +170,9 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             except grpc.aio.AioRpcError as e:  # the lease expires on its own
                 log.warning("release of %s on %s failed: %s", rid, engine_id, e.code())
 
-        asyncio.get_running_loop().create_task(call())
+        task = asyncio.get_running_loop().create_task(call())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def register(aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers):

@@ -1,6 +1,7 @@
 """An in-memory connector for unit tests: peers are engines in the same process, found by
 engine id, and a load copies blocks at once (or after `delay_polls` polls, to hold a
-transfer in flight). `fail` makes the next loads fail, to test the error paths."""
+transfer in flight), or while `hold` is set. `fail` makes the next loads fail, to test the
+error paths."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class FakeConnector(KVSender, KVReceiver):
         self.num_blocks = check_caches(layout, kv_caches)
         self.delay_polls = delay_polls
         self.fail: str | None = None  # set to a reason to fail every load from now on
+        self.hold = False  # while True, every load stays in flight
         self.blocks_loaded = 0
         self._peers: set[str] = set()
         self._pending: dict[str, list] = {}
@@ -46,7 +48,7 @@ class FakeConnector(KVSender, KVReceiver):
         entry = self._pending.get(transfer_id)
         if entry is None:
             return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
-        if entry[0] > 0:
+        if entry[0] > 0 or self.hold:
             entry[0] -= 1
             return TransferState.TRANSFERRING, None
         del self._pending[transfer_id]

@@ -105,19 +105,23 @@ class RouterServicer(gen_grpc.GenerationServicer):
             reply.usage.CopyFrom(usage)
             yield reply
             return
-        yield reply
 
-        # 2. Decode: the rest, streamed as it is sampled.
+        # 2. Decode: the rest, streamed as it is sampled. Until the decode worker answers,
+        #    the prefill worker's lease is ours to release if the request ends here.
         dreq = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,
                                 first_token_id=first.first_token_id,
                                 sampling=request.sampling, priority=request.priority,
                                 cache_salt=request.cache_salt, handle=first.handle,
                                 prefill_address=prefill.address)
-        remaining = context.time_remaining()
-        call = wk_grpc.DecodeServiceStub(decode.channel).Decode(dreq, timeout=remaining)
+        call = None
+        answered = False
         decode.inflight += 1
         try:
+            yield reply
+            remaining = context.time_remaining()
+            call = wk_grpc.DecodeServiceStub(decode.channel).Decode(dreq, timeout=remaining)
             async for msg in call:
+                answered = True
                 out = gen.GenerateResponse(request_id=rid, token_ids=msg.token_ids,
                                            text=msg.text, logprobs=msg.logprobs)
                 usage.completion_tokens += len(msg.token_ids)
@@ -133,7 +137,10 @@ class RouterServicer(gen_grpc.GenerationServicer):
             await self._abort_from(context, e, f"decode worker {decode.address}")
         finally:
             decode.inflight -= 1
-            call.cancel()  # a no-op when done; else the client left: end it on the worker
+            if call is not None:
+                call.cancel()  # a no-op when done; else the client left: end it on the worker
+            if not answered:
+                _release_soon(prefill, rid)
 
     async def _abort_from(self, context, e: grpc.aio.AioRpcError, where: str) -> None:
         code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
@@ -155,6 +162,25 @@ class RouterServicer(gen_grpc.GenerationServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet")
         return gen.GetModelInfoResponse(info=info)
+
+
+def _release_soon(prefill, rid: str) -> None:
+    """Free a lease the decode worker never took over (the client left, or decode failed
+    before its first reply). Idempotent on the worker; a failure leaves it to expire."""
+
+    async def release():
+        try:
+            await wk_grpc.PrefillServiceStub(prefill.channel).ReleaseKv(
+                wk.ReleaseKvRequest(request_id=rid), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("release of %s on %s failed: %s", rid, prefill.address, e.code())
+
+    task = asyncio.get_running_loop().create_task(release())
+    _PENDING.add(task)
+    task.add_done_callback(_PENDING.discard)
+
+
+_PENDING: set[asyncio.Task] = set()  # keeps fire-and-forget tasks alive until done
 
 
 def _copy_stop(dst, src) -> None:

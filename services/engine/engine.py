@@ -20,6 +20,8 @@ from services.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 0.005  # how long a step may wait for the remote KV loads it just started
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -193,7 +195,7 @@ class LLMEngine:
         loads = self.scheduler.schedule_loads()
         if loads:
             self._start_loads(loads)
-            outputs += self._poll_loads()  # a transport that copied at once: decode now
+            outputs += self._wait_loads(LOAD_WAIT_S)
         sched = self.scheduler.schedule()
         self._start_loads(sched.loads)
         if not sched.scheduled:
@@ -228,6 +230,17 @@ class LLMEngine:
                                             local_ids)
             else:  # every remote block was in our own prefix cache
                 self.scheduler.finish_load(req.request_id, None)
+
+    def _wait_loads(self, budget_s: float) -> list[RequestOutput]:
+        """Poll the loads just started for up to `budget_s`: a prompt's blocks are a few MB
+        and usually land within a millisecond or two, and then the request decodes in this
+        step instead of the next (a whole step later)."""
+        deadline = time.monotonic() + budget_s
+        outputs = self._poll_loads()
+        while self.scheduler.loading and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            outputs += self._poll_loads()
+        return outputs
 
     def _poll_loads(self) -> list[RequestOutput]:
         """Finish every remote KV load the transport reports done; report failed ones."""

@@ -155,15 +155,17 @@ def _all_free(address: str) -> bool:
             s.num_loading == s.num_leases == 0)
 
 
-def test_cancel_frees_every_block_within_a_second(topology):
+@pytest.mark.parametrize("after", [1, 4], ids=["after-first-token", "mid-decode"])
+def test_cancel_frees_every_block_within_a_second(topology, after):
     req = gen.GenerateRequest(text="Write a very long story.",
                               sampling=greedy(400, ignore_eos=True))
     with channel(topology["router"]) as ch:
         call = gen_grpc.GenerationStub(ch).Generate(req, timeout=120)
-        for i, _ in enumerate(call):
-            if i == 3:
+        for i, _ in enumerate(call, 1):
+            if i == after:
                 break
-        assert not _all_free(topology["decode"])
+        if after > 1:
+            assert not _all_free(topology["decode"])
         call.cancel()
         t0 = time.monotonic()
         while time.monotonic() - t0 < 1.0:

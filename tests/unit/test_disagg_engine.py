@@ -124,16 +124,18 @@ def test_abort_while_loading_frees_after_transport_is_done(pair):
     p, d, receiver = pair
     params = SamplingParams(max_tokens=8, temperature=0.0)
     firsts = _prefill(p, [PROMPTS[2]], params)
-    receiver.delay_polls = 3
+    receiver.hold = True
     try:
         _handoff(p, d, firsts, params)
         d.step()
         assert d.stats()["num_loading"] == 1
         d.abort_request("r0")
+        d.step()
         assert d.has_unfinished_requests()  # blocks stay until the transport lets go
-        _drain(d)
+        assert d.stats()["num_free_blocks"] < d.stats()["num_blocks"]
     finally:
-        receiver.delay_polls = 0
+        receiver.hold = False
+        _drain(d)
         p.release_lease("r0")
 
 
