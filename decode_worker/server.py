@@ -10,9 +10,9 @@ import logging
 import time
 
 import grpc
+
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from kv_transfer import make_receiver
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import IncompatibleLayout, KVLayout

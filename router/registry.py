@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from services.serving.server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)

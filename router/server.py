@@ -15,11 +15,11 @@ import time
 import uuid
 
 import grpc
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from router.registry import Registry
 from services.serving.convert import chat_messages, stop_reason_of
 from services.serving.server import run_server, service_name

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-
 from services.bench.workloads import make_workload
 from services.serving.launcher import spawn, stop_all, wait_healthy
 

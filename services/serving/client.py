@@ -7,9 +7,9 @@ import os
 import sys
 
 import grpc
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-
 from services.serving.convert import FINISH_NAME, sampling_message
 
 

@@ -9,11 +9,11 @@ import time
 import uuid
 
 import grpc
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from services.engine.engine import LLMEngine
 from services.serving.convert import FINISH, chat_messages, logprobs_messages, set_stop_reason
 from services.serving.server import run_server, service_name

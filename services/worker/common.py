@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 import grpc
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_blocks import read_blocks

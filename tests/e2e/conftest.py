@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-
 from tests.e2e.topology import Topology, channel
 
 

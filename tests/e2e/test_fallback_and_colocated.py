@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-
 from services.engine import SamplingParams
 from tests.e2e.conftest import stats
 from tests.e2e.test_disaggregated import greedy, joined, run
