@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-port", type=int, default=50071)
     p.add_argument("--model", default=os.environ.get("BATON_MODEL"))
     p.add_argument("--kv-transport", choices=["nixl", "grpc"])
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="torch threads per worker (default: half the cores each)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads per worker (default: every core; the two workers "
+                   "share them, so each can use all while the other waits)")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
 
