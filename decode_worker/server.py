@@ -30,6 +30,10 @@ from services.worker.common import (
 
 log = logging.getLogger(__name__)
 
+# The handle says how long the prefill worker holds the blocks from when it answered; the
+# router's hop comes out of that, so a pull must be done this much before it ends.
+LEASE_MARGIN_S = 2.0
+
 
 class Peers:
     """Prefill engines we have shaken hands with: engine id -> address and channels."""
@@ -40,11 +44,23 @@ class Peers:
         self.aio: dict[str, wk_grpc.PrefillServiceStub] = {}
         self.sync: dict[str, grpc.Channel] = {}
 
-    def fetch(self, engine_id: str, block_ids: list[int]):
+    def fetch(self, engine_id: str, request_id: str, block_ids: list[int]):
         """Block bytes over the gRPC fallback (runs on the receiver's threads)."""
         stub = wk_grpc.WorkerServiceStub(self.sync[engine_id])
-        for msg in stub.ReadKvBlocks(wk.ReadKvBlocksRequest(block_ids=block_ids), timeout=60):
+        req = wk.ReadKvBlocksRequest(block_ids=block_ids, request_id=request_id)
+        for msg in stub.ReadKvBlocks(req, timeout=60):
             yield msg.data
+
+    def forget(self, address: str) -> None:
+        """Drop a peer (it restarted under a new engine id): the next request shakes hands
+        again."""
+        eid = self.by_address.pop(address, None)
+        if eid is not None:
+            self.address.pop(eid, None)
+            self.aio.pop(eid, None)
+            channel = self.sync.pop(eid, None)
+            if channel is not None:
+                channel.close()
 
 
 def _warm_up(receiver, engine_id: str, timeout_s: float = 10.0) -> None:
@@ -92,6 +108,10 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 await channel.close()
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"prefill worker {address} is incompatible: {e}")
+            except (ConnectionError, ValueError) as e:  # the transport could not reach it
+                await channel.close()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"KV transport to {address}: {e}")
             except grpc.aio.AioRpcError as e:
                 await channel.close()
                 code = e.code()
@@ -106,16 +126,23 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             return eid
 
     async def Connect(self, request, context):
+        self.peers.forget(request.prefill_address)  # (re)registration: shake hands anew
         eid = await self._connect(request.prefill_address, context)
         return wk.ConnectResponse(prefill_engine_id=eid, transport=self.transport)
 
     async def Decode(self, request, context):
         handle = request.handle
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if handle.engine_id not in self.peers.address:
             if not request.prefill_address:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"unknown prefill engine {handle.engine_id!r}")
-            await self._connect(request.prefill_address, context)
+            self.peers.forget(request.prefill_address)  # a restart: a new engine id there
+            if await self._connect(request.prefill_address, context) != handle.engine_id:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"prefill engine {handle.engine_id!r} is no longer at "
+                                    f"{request.prefill_address}")
         if handle.fingerprint and handle.fingerprint != self.layout.fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "KV handle fingerprint does not match this engine's layout")
@@ -124,7 +151,10 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         except (ValueError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
-        remote = RemoteKV(handle.engine_id, tuple(handle.block_ids), handle.num_tokens)
+        deadline = (time.monotonic() + handle.lease_s - LEASE_MARGIN_S if handle.lease_s > 0
+                    else float("inf"))
+        remote = RemoteKV(handle.engine_id, tuple(handle.block_ids), handle.num_tokens,
+                          deadline)
 
         def add(engine: LLMEngine):
             engine.add_remote_request(list(request.prompt_token_ids), request.first_token_id,

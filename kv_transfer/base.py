@@ -14,27 +14,16 @@ its own tensors with its own block count.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 
 import torch
 
-from services.engine.kv_layout import IncompatibleLayout, KVLayout
+from services.engine.kv_layout import IncompatibleLayout, KVLayout, TransferState
 
-
-class TransferState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # accepted, not yet posted to the transport
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-    @property
-    def done(self) -> bool:
-        return self in (TransferState.SUCCESS, TransferState.FAILED)
-
-
-# The layout lives with the engine (the services may not import kv_transfer).
+# The layout and the poll state live with the engine (services may not import kv_transfer).
 IncompatiblePeer = IncompatibleLayout
+__all__ = ["IncompatiblePeer", "KVLayout", "KVReceiver", "KVSender", "TransferState",
+           "check_caches"]
 
 
 def check_caches(layout: KVLayout, kv_caches: list[torch.Tensor]) -> int:

@@ -42,6 +42,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         except (ValueError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         prompt = list(request.prompt_token_ids)
 
         def add(engine: LLMEngine):
@@ -66,7 +68,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         if out.kv_block_ids is not None:
             reply.handle.CopyFrom(wk.KvHandle(
                 engine_id=self.engine_id, block_ids=out.kv_block_ids,
-                num_tokens=len(out.prompt_token_ids), fingerprint=self.layout.fingerprint))
+                num_tokens=len(out.prompt_token_ids), fingerprint=self.layout.fingerprint,
+                lease_s=self.aengine.engine.scheduler.lease_timeout_s))
             if context.cancelled():  # nobody will come for these blocks
                 await self.aengine.call(lambda e: e.release_lease(rid))
         return reply

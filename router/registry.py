@@ -95,7 +95,10 @@ class Registry:
             if w.healthy:
                 log.warning("%s worker %s is down: %s", w.role, w.address, e.code())
             w.healthy = False
-            w.pairs.clear()  # a restarted worker must shake hands again
+            # A restarted worker must shake hands again (pairs live on decode workers).
+            w.pairs.clear()
+            for d in self.decode:
+                d.pairs.pop(w.address, None)
 
     async def _connect(self, d: Worker, p: Worker) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION

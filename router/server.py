@@ -69,7 +69,10 @@ class RouterServicer(gen_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         t0 = time.monotonic()
-        rid = request.request_id or uuid.uuid4().hex
+        client_id = request.request_id or uuid.uuid4().hex
+        # Workers see a unique id, so two clients that pick the same id (or a retry) can
+        # never touch each other's request or lease.
+        rid = f"{client_id}-{uuid.uuid4().hex[:12]}" if request.request_id else client_id
         ids = await self._prompt_ids(request, context)
         try:
             prefill, decode = self.registry.pick()
@@ -84,6 +87,7 @@ class RouterServicer(gen_grpc.GenerationServicer):
                                  sampling=request.sampling, priority=request.priority,
                                  cache_salt=request.cache_salt)
         prefill.inflight += 1
+        first = None
         try:
             first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
                 preq, timeout=timeout)
@@ -91,11 +95,13 @@ class RouterServicer(gen_grpc.GenerationServicer):
             await self._abort_from(context, e, f"prefill worker {prefill.address}")
         finally:
             prefill.inflight -= 1
+            if first is None:  # failed or cancelled: a lease may exist that nobody knows of
+                _release_soon(prefill, rid)
         usage.completion_tokens = 1
         usage.cached_tokens = first.cached_tokens
         timings.queue_s, timings.prefill_s = first.queue_s, first.prefill_s
         timings.first_token_s = time.monotonic() - t0
-        reply = gen.GenerateResponse(request_id=rid, token_ids=[first.first_token_id],
+        reply = gen.GenerateResponse(request_id=client_id, token_ids=[first.first_token_id],
                                      text=first.text, timings=timings)
         if first.HasField("logprobs"):
             reply.logprobs.append(first.logprobs)
@@ -122,7 +128,7 @@ class RouterServicer(gen_grpc.GenerationServicer):
             call = wk_grpc.DecodeServiceStub(decode.channel).Decode(dreq, timeout=remaining)
             async for msg in call:
                 answered = True
-                out = gen.GenerateResponse(request_id=rid, token_ids=msg.token_ids,
+                out = gen.GenerateResponse(request_id=client_id, token_ids=msg.token_ids,
                                            text=msg.text, logprobs=msg.logprobs)
                 usage.completion_tokens += len(msg.token_ids)
                 if msg.kv_transfer_s:

@@ -6,10 +6,13 @@ import itertools
 import logging
 import time
 
+import torch
+
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_layout import TransferState
 from services.engine.loader import load_checkpoint, resolve_model_path
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import RequestOutput
@@ -89,6 +92,7 @@ class LLMEngine:
             raise ValueError("this engine has no KV receiver: it cannot take remote KV")
         req = self._make_request(list(prompt_token_ids), params, request_id, priority,
                                  cache_salt)
+        params = req.params
         n = req.num_prompt_tokens
         if remote.num_tokens != n:
             raise ValueError(f"remote KV holds {remote.num_tokens} tokens, the prompt has {n}")
@@ -103,6 +107,11 @@ class LLMEngine:
         req.token_ids.append(first_token)
         req.remote = remote
         self._queue(req)
+        if req.generator is not None and not params.greedy:
+            # The prefill engine drew once from this seed for the first token; draw the same
+            # noise here, so seeded output equals one engine's. (sampler.py: one
+            # Exponential(1) vector of vocab size per sampled token.)
+            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
         # The first token's text was streamed by the prefill engine; replaying it here puts
         # this detokenizer in the same state (held-back bytes and stop-string tail).
         self._detok[req.request_id].update([first_token])
@@ -150,6 +159,8 @@ class LLMEngine:
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is; for a prefilled one, release its held blocks."""
+        self.scheduler.release_lease(request_id)
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
@@ -245,11 +256,15 @@ class LLMEngine:
     def _poll_loads(self) -> list[RequestOutput]:
         """Finish every remote KV load the transport reports done; report failed ones."""
         outputs = []
+        expired = set(self.scheduler.take_expired_loads())
         for rid in list(self.scheduler.loading):
-            state, error = self.kv_receiver.poll(rid)
-            if not state.done:
+            if rid in expired:
+                state, error = TransferState.FAILED, "the prefill worker's lease expired"
+            else:
+                state, error = self.kv_receiver.poll(rid)
+            if state not in (TransferState.SUCCESS, TransferState.FAILED):
                 continue
-            req = self.scheduler.finish_load(rid, None if state.name == "SUCCESS" else
+            req = self.scheduler.finish_load(rid, None if state == TransferState.SUCCESS else
                                              error or "transfer failed")
             if req is not None and req.status.finished:
                 detok = self._detok.pop(rid)

@@ -6,10 +6,24 @@ must agree on every field here, not on the number of blocks.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from dataclasses import asdict, dataclass
 
 import torch
+
+
+class TransferState(enum.Enum):
+    """One remote KV pull, as a receiver's poll reports it."""
+
+    BOOTSTRAPPING = "bootstrapping"  # accepted, not yet posted to the transport
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
 
 
 class IncompatibleLayout(ValueError):

@@ -33,6 +33,9 @@ class RemoteKV:
     engine_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    # Monotonic time (ours) by which the pull must be done: the prefill engine may free the
+    # blocks after it. The sender's remaining lease time, less a margin for transit.
+    deadline: float = float("inf")
 
 
 class Request:

@@ -90,6 +90,7 @@ class Scheduler:
         self.lease_timeout_s = 30.0
         self.num_blocks_pulled = 0  # remote blocks loaded (decode role)
         self.num_blocks_local = 0  # remote prompt blocks found in our own prefix cache
+        self._expired: list[str] = []  # loading requests whose lease ran out before a pull
 
     def add_request(self, request: Request) -> None:
         if (request.request_id in self.requests or request.request_id in self.loading
@@ -165,6 +166,11 @@ class Scheduler:
             req = self.waiting.peek()
             if req.remote is None or req.num_computed_tokens != 0:
                 break
+            # Keep a block per running request, so admitting one does not force the step
+            # that follows to preempt a running request that crosses a block boundary.
+            if (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
+                    < len(self.running)):
+                break
             if not self._admit_remote(req, loads):
                 break
         return loads
@@ -175,6 +181,14 @@ class Scheduler:
         budget. False if the pool is short."""
         remote = req.remote
         assert remote is not None
+        if time.monotonic() > remote.deadline:
+            # The prefill engine may have freed (and reused) those blocks by now.
+            self.waiting.pop()
+            self.loading[req.request_id] = req
+            req.status = RequestStatus.WAITING_FOR_KV
+            req.load_start = time.monotonic()
+            self._expired.append(req.request_id)
+            return True
         hits = self.kv.get_computed_blocks(req)[:len(remote.block_ids)]
         num_local = len(hits) * self.kv.block_size
         if not self.kv.allocate_slots(req, remote.num_tokens - num_local, hits, publish=False):
@@ -203,18 +217,28 @@ class Scheduler:
         if req.status != RequestStatus.WAITING_FOR_KV:  # aborted meanwhile: free now
             self.kv.free(req)
             return None
+        assert req.remote is not None
+        if error is None and req.load_end > req.remote.deadline:
+            error = "the load ended after the prefill worker's lease may have expired"
         if error is not None:
             req.error = f"KV transfer failed: {error}"
             self.requests.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ABORTED
             self.kv.free(req)
             return req
-        assert req.remote is not None
         req.num_computed_tokens = req.remote.num_tokens
         self.kv.publish(req, req.num_computed_tokens)
+        # The KV is ours now: a preemption from here on recomputes it locally (the prefill
+        # worker's copy is released once we report the load done).
+        req.remote = None
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
+
+    def take_expired_loads(self) -> list[str]:
+        """Requests admitted with an expired lease: fail them without pulling."""
+        expired, self._expired = self._expired, []
+        return expired
 
     def release_lease(self, request_id: str) -> bool:
         """Free a prefill-role request's held blocks. False if there was no such lease."""

@@ -56,11 +56,15 @@ class AsyncEngine:
                        add: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
         """Add a request with `add(engine)` and yield its outputs until it finishes. If the
         consumer stops early (cancellation), the request is aborted in the engine."""
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
-        finished = False
+        entry = (asyncio.get_running_loop(), queue)
+        self._queues[request_id] = entry
+        added = finished = False
         try:
             await self.call(add)
+            added = True
             while True:
                 out = await queue.get()
                 yield out
@@ -68,8 +72,9 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
+            if self._queues.get(request_id) is entry:
+                del self._queues[request_id]
+            if added and not finished:
                 await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
 
     def stop(self) -> None:
@@ -79,6 +84,24 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ---- the engine thread ------------------------------------------------------------
+
+    def _fail_all(self) -> list[RequestOutput]:
+        """After a failed step: end every request with an error, so no stream waits for
+        outputs the step lost, and drop the prefix cache (the step's blocks were published
+        but maybe never written)."""
+        engine = self.engine
+        for rid in list(engine.scheduler.requests) + list(engine.scheduler.leases):
+            try:
+                engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - keep the thread alive whatever happens
+                log.exception("abort of %s failed", rid)
+        try:
+            engine.reset_prefix_cache()
+        except Exception:  # noqa: BLE001
+            log.exception("prefix cache reset failed")
+        return [RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="",
+                              finish_reason="abort", error="internal engine error")
+                for rid in list(self._queues)]
 
     def _run(self) -> None:
         engine = self.engine
@@ -105,11 +128,8 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception:
-                log.exception("engine step failed; aborting every request")
-                outputs = [o for rid in list(engine.scheduler.requests)
-                           if (o := engine.abort_request(rid)) is not None]
-                for o in outputs:
-                    o.error = "internal engine error"
+                log.exception("engine step failed; ending every request")
+                outputs = self._fail_all()
             for out in outputs:
                 entry = self._queues.get(out.request_id)
                 if entry is not None:

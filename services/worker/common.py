@@ -4,6 +4,7 @@ WorkerService (stats, KV bytes, prefix lookup), and proto builders."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import grpc
 
@@ -81,9 +82,26 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         if any(not 0 < b < n for b in ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block ids must be in 1..{n - 1}")
+        rid = request.request_id
+        if rid and not self._leased(rid, ids):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"blocks are not held for request {rid!r} (lease gone)")
+        caches = self.engine.runner.kv_caches
         for i in range(0, len(ids), READ_CHUNK_BLOCKS):
             chunk = ids[i:i + READ_CHUNK_BLOCKS]
-            yield wk.ReadKvBlocksResponse(data=read_blocks(self.engine.runner.kv_caches, chunk))
+            # Off the event loop: a long prompt is tens of MB to gather.
+            data = await asyncio.to_thread(read_blocks, caches, chunk)
+            yield wk.ReadKvBlocksResponse(data=data)
+        if rid and not self._leased(rid, ids):  # released or expired while we read
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the lease of request {rid!r} ended during the read")
+
+    def _leased(self, rid: str, ids: list[int]) -> bool:
+        # Read from the event loop: dict lookups, atomic under the GIL; a lease that ends
+        # right after is caught by the second check.
+        if rid not in self.engine.scheduler.leases:
+            return False
+        return set(ids) <= set(self.engine.kv.block_ids(rid))
 
     async def LookupPrefix(self, request, context):
         def lookup(engine: LLMEngine) -> list[int]:

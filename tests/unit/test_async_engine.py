@@ -67,3 +67,47 @@ def test_bad_request_raises_in_the_caller(aengine):
 
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(main())
+
+
+def test_duplicate_id_is_refused_and_the_first_stream_goes_on(aengine, llm):
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    want = llm.generate(["Hello there"], params)[0].token_ids
+
+    async def main():
+        first = aengine.generate("d", lambda e: e.add_request("Hello there", params,
+                                                              request_id="d"))
+        got = [t for t in (await first.__anext__()).new_token_ids]
+        with pytest.raises(ValueError, match="in use"):
+            async for _ in aengine.generate("d", lambda e: e.add_request("x", params, "d")):
+                pass
+        async for out in first:
+            got += out.new_token_ids
+        return got
+
+    assert asyncio.run(main()) == want
+
+
+def test_failed_step_ends_every_stream_and_the_thread_lives(aengine, monkeypatch):
+    engine = aengine.engine
+    real = engine.runner.execute
+    calls = []
+
+    def broken(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+
+    async def main():
+        outs = []
+        async for out in aengine.generate("f", lambda e: e.add_request(
+                "A prompt long enough to fill a cached block or two, surely. " * 2,
+                SamplingParams(max_tokens=5), request_id="f")):
+            outs.append(out)
+        return outs, await aengine.call(lambda e: e.prefix_cache_stats())
+
+    outs, _ = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and outs[-1].error == "internal engine error"
+    assert len(engine.pool.cached) == 0  # blocks published by the failed step are dropped

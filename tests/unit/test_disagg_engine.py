@@ -182,3 +182,64 @@ def test_remote_request_is_validated(pair):
         d.add_remote_request([1] * 40, 5, RemoteKV("prefill-0", (1, 2, 3), 39),
                              SamplingParams(max_tokens=4))
     assert not d.has_unfinished_requests()
+
+
+def test_preempted_decode_recomputes_instead_of_pulling_again(pair, llm):
+    """Once its KV has landed, a decode request owns it: after a preemption it recomputes
+    locally and never reads the prefill engine's (released, maybe reused) blocks again."""
+    p, d, receiver = pair
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = llm.generate([PROMPTS[1]], params)[0].token_ids
+    firsts = _prefill(p, [PROMPTS[1]], params)
+    blocks = firsts["r0"].kv_block_ids
+    _handoff(p, d, firsts, params)
+    outs = {}
+    for _ in range(3):
+        for o in d.step():
+            outs.setdefault(o.request_id, []).append(o)
+    p.release_lease("r0")
+    for kv in p.runner.kv_caches:  # the prefill engine reused those blocks
+        kv[:, :, blocks] = 0
+    pulled = d.stats()["num_blocks_pulled"]
+    req = d.scheduler.requests["r0"]
+    d.scheduler.running.remove(req)
+    d.scheduler._preempt(req)
+    _drain(d, outs)
+    assert d.stats()["num_blocks_pulled"] == pulled
+    got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
+    assert got == want
+
+
+def test_seeded_sampling_matches_one_engine(pair, llm):
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    want = llm.generate([PROMPTS[0]], params)[0].token_ids
+    firsts = _prefill(p, [PROMPTS[0]], params)
+    _handoff(p, d, firsts, params)
+    outs = _drain(d)
+    p.release_lease("r0")
+    assert firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids] == want
+
+
+def test_abort_after_prefill_releases_the_lease(pair):
+    p, _, _ = pair
+    _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0))
+    assert p.stats()["num_leases"] == 1
+    p.abort_request("r0")
+    assert p.stats()["num_leases"] == 0
+
+
+def test_expired_lease_fails_the_request_without_pulling(pair):
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    firsts = _prefill(p, [PROMPTS[2]], params)
+    o = firsts["r0"]
+    pulled = d.stats()["num_blocks_pulled"]
+    remote = RemoteKV("prefill-0", tuple(o.kv_block_ids), len(o.prompt_token_ids),
+                      deadline=0.0)
+    d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], remote, params,
+                         request_id="r0")
+    outs = _drain(d)
+    p.release_lease("r0")
+    assert outs["r0"][-1].finish_reason == "abort" and "lease" in outs["r0"][-1].error
+    assert d.stats()["num_blocks_pulled"] == pulled

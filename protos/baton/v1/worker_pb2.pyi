@@ -26,16 +26,18 @@ class KvLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "block_ids", "num_tokens", "fingerprint")
+    __slots__ = ("engine_id", "block_ids", "num_tokens", "fingerprint", "lease_s")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     fingerprint: str
-    def __init__(self, engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")
@@ -196,10 +198,12 @@ class GetStatsResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
-    __slots__ = ("block_ids",)
+    __slots__ = ("block_ids", "request_id")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReadKvBlocksResponse(_message.Message):
     __slots__ = ("data",)
