@@ -18,13 +18,13 @@ from services.engine.engine import LLMEngine
 from services.engine.kv_layout import IncompatibleLayout, KVLayout
 from services.engine.request import RemoteKV
 from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
-from services.serving.server import CHANNEL_OPTIONS, run_server, service_name
+from services.serving.server import CHANNEL_OPTIONS
 from services.worker.async_engine import AsyncEngine
 from services.worker.common import (
-    WorkerServicer,
     engine_config,
     layout_from_message,
     layout_message,
+    run_worker,
     sampling_params,
 )
 
@@ -205,31 +205,15 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         task.add_done_callback(self._tasks.discard)
 
 
-def register(aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers):
-    def add(server: grpc.aio.Server) -> list[str]:
-        wk_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(aengine, engine_id, transport, peers), server)
-        wk_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(aengine, engine_id, "decode"), server)
-        return [service_name(wk, "DecodeService"), service_name(wk, "WorkerService")]
-
-    return add
-
-
 def serve(args) -> None:
     engine = LLMEngine(engine_config(args))
-    layout = KVLayout.of_engine(engine)
     peers = Peers()
-    receiver = make_receiver(args.kv_transport, args.engine_id, layout,
+    receiver = make_receiver(args.kv_transport, args.engine_id, KVLayout.of_engine(engine),
                              engine.runner.kv_caches, fetch=peers.fetch)
     engine.kv_receiver = receiver
-    aengine = AsyncEngine(engine)
 
-    async def stop():
-        aengine.stop()
-        receiver.close()
+    def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:
+        wk_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(aengine, args.engine_id, args.kv_transport, peers), server)
 
-    log.info("decode engine %s, KV transport %s, layout %s", args.engine_id,
-             args.kv_transport, layout.fingerprint)
-    asyncio.run(run_server(args.address, register(aengine, args.engine_id, args.kv_transport,
-                                                  peers), on_stop=stop))
+    run_worker(args, "decode", engine, "DecodeService", add, closers=[receiver.close])

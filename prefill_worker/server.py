@@ -4,7 +4,6 @@ ends the request, its blocks stay held under a lease and the reply carries a KV 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -15,13 +14,12 @@ from kv_transfer import make_sender
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import IncompatibleLayout, KVLayout
 from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
-from services.serving.server import run_server, service_name
 from services.worker.async_engine import AsyncEngine
 from services.worker.common import (
-    WorkerServicer,
     engine_config,
     layout_from_message,
     layout_message,
+    run_worker,
     sampling_params,
 )
 
@@ -91,31 +89,13 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                                     transport_metadata=self.sender.metadata())
 
 
-def register(aengine: AsyncEngine, engine_id: str, transport: str, sender):
-    def add(server: grpc.aio.Server) -> list[str]:
-        wk_grpc.add_PrefillServiceServicer_to_server(
-            PrefillServicer(aengine, engine_id, transport, sender), server)
-        wk_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(aengine, engine_id, "prefill"), server)
-        return [service_name(wk, "PrefillService"), service_name(wk, "WorkerService")]
-
-    return add
-
-
 def serve(args) -> None:
     engine = LLMEngine(engine_config(args))
-    engine.scheduler.lease_timeout_s = args.kv_lease_timeout
-    layout = KVLayout.of_engine(engine)
-    sender = make_sender(args.kv_transport, args.engine_id, layout, engine.runner.kv_caches)
-    aengine = AsyncEngine(engine)
+    sender = make_sender(args.kv_transport, args.engine_id, KVLayout.of_engine(engine),
+                         engine.runner.kv_caches)
 
-    async def stop():
-        aengine.stop()
-        sender.close()
+    def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:
+        wk_grpc.add_PrefillServiceServicer_to_server(
+            PrefillServicer(aengine, args.engine_id, args.kv_transport, sender), server)
 
-    log.info("prefill engine %s, KV transport %s, layout %s", args.engine_id,
-             args.kv_transport, layout.fingerprint)
-    asyncio.run(run_server(args.address, register(aengine, args.engine_id, args.kv_transport,
-                                                  sender), on_stop=stop))
-
-
+    run_worker(args, "prefill", engine, "PrefillService", add, closers=[sender.close])

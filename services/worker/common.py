@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 import grpc
 
@@ -18,7 +19,10 @@ from services.engine.kv_layout import KVLayout
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.serving.convert import sampling_kwargs
+from services.serving.server import run_server, service_name
 from services.worker.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
 
@@ -32,7 +36,30 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=int(args.max_model_len) if args.max_model_len else None)
+                        max_model_len=int(args.max_model_len) if args.max_model_len else None,
+                        kv_lease_timeout_s=getattr(args, "kv_lease_timeout", 30.0))
+
+
+def run_worker(args, role: str, engine: LLMEngine, service: str, add_servicer,
+               closers=()) -> None:
+    """Serve `engine` in `role` until a signal: the role's servicer (added by
+    `add_servicer(server, aengine)`, named `service` in worker.proto) and WorkerService."""
+    aengine = AsyncEngine(engine)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        add_servicer(server, aengine)
+        wk_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(aengine, args.engine_id, role), server)
+        return [service_name(wk, service), service_name(wk, "WorkerService")]
+
+    async def stop():
+        aengine.stop()
+        for close in closers:
+            close()
+
+    log.info("%s engine %s, KV transport %s, layout %s", role, args.engine_id,
+             getattr(args, "kv_transport", None), KVLayout.of_engine(engine).fingerprint)
+    asyncio.run(run_server(args.address, register, on_stop=stop))
 
 
 def sampling_params(msg: gen.SamplingParams) -> SamplingParams:

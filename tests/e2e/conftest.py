@@ -15,11 +15,9 @@ from tests.e2e.topology import Topology, channel
 def topology(tmp_path_factory, model_path):
     topo = Topology(tmp_path_factory.mktemp("services"))
     try:
-        prefill = topo.worker("prefill", "--kv-transport", "nixl")
-        decode = topo.worker("decode", "--kv-transport", "nixl")
-        router = topo.start("router", "--prefill", prefill, "--decode", decode)
-        _wait_paired(router, decode)
-        yield {"router": router, "prefill": prefill, "decode": decode, "topology": topo}
+        services = topo.disaggregated("nixl")
+        _wait_paired(services["router"], services["decode"])
+        yield {**services, "topology": topo}
     finally:
         topo.stop()
 

@@ -23,11 +23,7 @@ def offline(make_llm):
 def services(tmp_path_factory, model_path):
     topo = Topology(tmp_path_factory.mktemp("fallback"))
     try:
-        prefill = topo.worker("prefill", "--kv-transport", "grpc")
-        decode = topo.worker("decode", "--kv-transport", "grpc")
-        router = topo.start("router", "--prefill", prefill, "--decode", decode)
-        colocated = topo.worker("colocated")
-        yield {"router": router, "decode": decode, "colocated": colocated}
+        yield {**topo.disaggregated("grpc"), "colocated": topo.worker("colocated")}
     finally:
         topo.stop()
 

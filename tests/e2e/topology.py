@@ -48,6 +48,13 @@ class Topology:
     def worker(self, role: str, *flags: str) -> str:
         return self.start(role, *WORKER_FLAGS, *flags)
 
+    def disaggregated(self, transport: str) -> dict[str, str]:
+        """A prefill and a decode worker over `transport`, and a router in front."""
+        prefill = self.worker("prefill", "--kv-transport", transport)
+        decode = self.worker("decode", "--kv-transport", transport)
+        router = self.start("router", "--prefill", prefill, "--decode", decode)
+        return {"router": router, "prefill": prefill, "decode": decode}
+
     def stop(self) -> None:
         stop_all(self.procs)
 
