@@ -175,6 +175,20 @@ def test_cancel_frees_every_block_within_a_second(topology, after):
     assert _all_free(topology["decode"]) and _all_free(topology["prefill"])
 
 
+def test_deadline_ends_the_request_everywhere(topology):
+    req = gen.GenerateRequest(text="Write a very long story.",
+                              sampling=greedy(400, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as e:
+        run(topology["router"], req, timeout=1.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:
+        if _all_free(topology["decode"]) and _all_free(topology["prefill"]):
+            break
+        time.sleep(0.02)
+    assert _all_free(topology["decode"]) and _all_free(topology["prefill"])
+
+
 def test_bad_input_gets_invalid_argument(topology):
     cases = [gen.GenerateRequest(text=""),
              gen.GenerateRequest(text="hi", sampling=gen.SamplingParams(temperature=-1)),

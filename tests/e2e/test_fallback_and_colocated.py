@@ -23,7 +23,8 @@ def offline(make_llm):
 def services(tmp_path_factory, model_path):
     topo = Topology(tmp_path_factory.mktemp("fallback"))
     try:
-        yield {**topo.disaggregated("grpc"), "colocated": topo.worker("colocated")}
+        yield {**topo.disaggregated("grpc"), "colocated": topo.worker("colocated"),
+               "topology": topo}
     finally:
         topo.stop()
 
@@ -62,3 +63,14 @@ def test_colocated_serves_the_same_api(services, offline):
     with channel(services["colocated"]) as ch:
         info = gen_grpc.GenerationStub(ch).GetModelInfo(gen.GetModelInfoRequest()).info
     assert info.max_model_len > 0 and info.vocab_size == offline.engine.model_config.vocab_size
+
+
+def test_a_restarted_prefill_worker_is_used_again(services, offline):
+    """The prefill worker dies and comes back on its address with a new engine id: the
+    router notices, the decode worker shakes hands again, and requests work again."""
+    topo, prefill = services["topology"], services["prefill"]
+    topo.kill(prefill)
+    topo.worker("prefill", "--kv-transport", "grpc", port=int(prefill.rsplit(":", 1)[1]))
+    ref = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    msgs = _retry_until_paired(services["router"], PROMPTS[0])
+    assert joined(msgs) == (ref.token_ids, ref.text)

@@ -32,8 +32,8 @@ class Topology:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, role: str, *flags: str, wait: bool = True) -> str:
-        port = free_port()
+    def start(self, role: str, *flags: str, wait: bool = True, port: int | None = None) -> str:
+        port = port or free_port()
         address = f"127.0.0.1:{port}"
         log = open(self.log_dir / f"{role}-{port}.log", "w")
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
@@ -45,8 +45,16 @@ class Topology:
             wait_healthy(address, proc, timeout=180)
         return address
 
-    def worker(self, role: str, *flags: str) -> str:
-        return self.start(role, *WORKER_FLAGS, *flags)
+    def worker(self, role: str, *flags: str, port: int | None = None) -> str:
+        return self.start(role, *WORKER_FLAGS, *flags, port=port)
+
+    def kill(self, address: str) -> None:
+        """Stop the process serving `address` (SIGKILL: no goodbye to its peers)."""
+        for proc in self.procs:
+            own = proc.args[proc.args.index("--address") + 1]
+            if proc.poll() is None and own == address:
+                proc.kill()
+                proc.wait()
 
     def disaggregated(self, transport: str) -> dict[str, str]:
         """A prefill and a decode worker over `transport`, and a router in front."""
