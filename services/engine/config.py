@@ -33,6 +33,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
+    kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,6 +54,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', got "
+                             f"{self.kv_load_failure_policy!r}")
+        if self.kv_lease_timeout_s <= 0:
+            raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

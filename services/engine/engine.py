@@ -57,6 +57,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
         self.scheduler.lease_timeout_s = config.kv_lease_timeout_s
+        self.scheduler.load_failure_policy = config.kv_load_failure_policy
         # Decode role: pulls remote KV (a kv_transfer receiver), set by the worker.
         self.kv_receiver = None
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
@@ -90,31 +91,46 @@ class LLMEngine:
         (through `kv_receiver`); the request then decodes in the running batch."""
         if self.kv_receiver is None:
             raise ValueError("this engine has no KV receiver: it cannot take remote KV")
-        req = self._make_request(list(prompt_token_ids), params, request_id, priority,
-                                 cache_salt)
-        params = req.params
-        n = req.num_prompt_tokens
+        n = len(prompt_token_ids)
         if remote.num_tokens != n:
             raise ValueError(f"remote KV holds {remote.num_tokens} tokens, the prompt has {n}")
         need = -(-n // self.config.block_size)
         if len(remote.block_ids) != need:
             raise ValueError(f"remote KV has {len(remote.block_ids)} blocks, {n} tokens need "
                              f"{need}")
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token id {first_token} is outside the vocabulary")
-        if req.params.max_tokens < 2 or n + 1 >= self.max_model_len:
+        return self.resume_request(prompt_token_ids, [first_token], params, request_id,
+                                   priority, cache_salt, remote)
+
+    def resume_request(self, prompt_token_ids: list[int], output_token_ids: list[int],
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
+                       remote: RemoteKV | None = None) -> str:
+        """Continue a request whose first outputs were sampled elsewhere (a prefill engine,
+        or a decode engine that died): without `remote`, its KV is computed here. The
+        outputs count toward max_tokens, and the detokenizer and a seeded generator are
+        brought to the state they would have had, so the stream goes on seamlessly."""
+        req = self._make_request(list(prompt_token_ids), params, request_id, priority,
+                                 cache_salt)
+        params = req.params
+        outs = list(output_token_ids)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in outs if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"output token id {bad} is outside the vocabulary [0, {vocab})")
+        if (len(outs) >= params.max_tokens
+                or req.num_prompt_tokens + len(outs) >= self.max_model_len):
             raise ValueError("nothing left to decode: max_tokens or max_model_len is reached")
-        req.token_ids.append(first_token)
+        req.token_ids.extend(outs)
         req.remote = remote
         self._queue(req)
         if req.generator is not None and not params.greedy:
-            # The prefill engine drew once from this seed for the first token; draw the same
-            # noise here, so seeded output equals one engine's. (sampler.py: one
-            # Exponential(1) vector of vocab size per sampled token.)
-            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
-        # The first token's text was streamed by the prefill engine; replaying it here puts
-        # this detokenizer in the same state (held-back bytes and stop-string tail).
-        self._detok[req.request_id].update([first_token])
+            # The other engine drew once from this seed per token it sampled; draw the same
+            # noise here. (sampler.py: one Exponential(1) vector of vocab size per token.)
+            for _ in outs:
+                torch.empty(vocab).exponential_(generator=req.generator)
+        # Those tokens' text was already streamed; replaying them puts this detokenizer in
+        # the same state (held-back bytes and stop-string tail).
+        self._detok[req.request_id].update(outs)
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, priority, cache_salt) -> Request:
@@ -182,7 +198,9 @@ class LLMEngine:
                 "num_blocks": self.pool.num_blocks - 1, "num_free_blocks":
                 self.pool.num_free_blocks, "kv_usage": self.kv.usage,
                 "num_blocks_pulled": s.num_blocks_pulled,
-                "num_blocks_local": s.num_blocks_local, "num_preemptions": s.num_preemptions}
+                "num_blocks_local": s.num_blocks_local, "num_preemptions": s.num_preemptions,
+                "num_load_failures": s.num_load_failures,
+                "num_leases_expired": s.num_leases_expired}
 
     # ---- prefix cache ---------------------------------------------------------------
 

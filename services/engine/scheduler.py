@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +94,10 @@ class Scheduler:
         self.num_blocks_pulled = 0  # remote blocks loaded (decode role)
         self.num_blocks_local = 0  # remote prompt blocks found in our own prefix cache
         self._expired: list[str] = []  # loading requests whose lease ran out before a pull
+        # A failed pull: "recompute" the prompt locally (default), or "fail" the request.
+        self.load_failure_policy = "recompute"
+        self.num_load_failures = 0
+        self.num_leases_expired = 0
 
     def add_request(self, request: Request) -> None:
         if (request.request_id in self.requests or request.request_id in self.loading
@@ -221,10 +228,20 @@ class Scheduler:
         if error is None and req.load_end > req.remote.deadline:
             error = "the load ended after the prefill worker's lease may have expired"
         if error is not None:
+            self.num_load_failures += 1
+            self.kv.free(req)
+            if self.load_failure_policy == "recompute":
+                # Prefill the prompt (and the first token) here instead, and carry on.
+                log.warning("KV load of %s failed (%s); recomputing it locally", request_id,
+                            error)
+                req.remote = None
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.push(req)
+                return req
             req.error = f"KV transfer failed: {error}"
             self.requests.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ABORTED
-            self.kv.free(req)
             return req
         req.num_computed_tokens = req.remote.num_tokens
         self.kv.publish(req, req.num_computed_tokens)
@@ -252,7 +269,10 @@ class Scheduler:
         """Release every lease past its expiry: a decode worker that never came back."""
         expired = [rid for rid, (_, t) in self.leases.items() if t <= now]
         for rid in expired:
+            log.warning("KV lease of %s expired after %.0fs: no decode worker pulled it",
+                        rid, self.lease_timeout_s)
             self.release_lease(rid)
+        self.num_leases_expired += len(expired)
         return expired
 
     def _preempt(self, req: Request) -> None:

@@ -139,29 +139,44 @@ def test_abort_while_loading_frees_after_transport_is_done(pair):
         p.release_lease("r0")
 
 
-def test_failed_transfer_ends_request_with_error(pair):
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_transfer_follows_the_policy(pair, llm, policy):
+    """recompute: the decode engine prefills the prompt itself, same tokens; fail: the
+    request ends with the transport's reason. Either way no block is left held."""
     p, d, receiver = pair
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    firsts = _prefill(p, [PROMPTS[0]], params)
+    want = llm.generate([PROMPTS[1]], params)[0].token_ids
+    firsts = _prefill(p, [PROMPTS[1]], params)
+    d.reset_prefix_cache()  # so there is something to pull
     receiver.fail = "peer went away"
+    d.scheduler.load_failure_policy = policy
+    failures = d.stats()["num_load_failures"]
     try:
         _handoff(p, d, firsts, params)
         outs = _drain(d)
     finally:
         receiver.fail = None
+        d.scheduler.load_failure_policy = "recompute"
         p.release_lease("r0")
     last = outs["r0"][-1]
-    assert last.finish_reason == "abort" and "peer went away" in last.error
+    assert d.stats()["num_load_failures"] == failures + 1
+    if policy == "fail":
+        assert last.finish_reason == "abort" and "peer went away" in last.error
+    else:
+        got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
+        assert got == want and last.error is None
 
 
 def test_lease_expires(pair):
     p, _, _ = pair
     p.scheduler.lease_timeout_s = 0.0
+    expired = p.stats()["num_leases_expired"]
     try:
         _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0))
         assert p.stats()["num_leases"] == 1
         p.step()
         assert p.stats()["num_leases"] == 0
+        assert p.stats()["num_leases_expired"] == expired + 1
     finally:
         p.scheduler.lease_timeout_s = 30.0
 
@@ -231,6 +246,7 @@ def test_abort_after_prefill_releases_the_lease(pair):
 
 def test_expired_lease_fails_the_request_without_pulling(pair):
     p, d, _ = pair
+    d.scheduler.load_failure_policy = "fail"
     params = SamplingParams(max_tokens=8, temperature=0.0)
     firsts = _prefill(p, [PROMPTS[2]], params)
     o = firsts["r0"]
@@ -241,5 +257,19 @@ def test_expired_lease_fails_the_request_without_pulling(pair):
                          request_id="r0")
     outs = _drain(d)
     p.release_lease("r0")
+    d.scheduler.load_failure_policy = "recompute"
     assert outs["r0"][-1].finish_reason == "abort" and "lease" in outs["r0"][-1].error
     assert d.stats()["num_blocks_pulled"] == pulled
+
+
+def test_resume_mid_stream_gives_the_undisturbed_tokens(pair, llm):
+    """What a migration does: another engine continues from the tokens already streamed,
+    computing their KV itself, and the rest equals an undisturbed run."""
+    _, d, _ = pair
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    ref = llm.generate([PROMPTS[1]], params)[0]
+    d.resume_request(ref.prompt_token_ids, ref.token_ids[:7], params, request_id="m")
+    outs = _drain(d)
+    assert ref.token_ids[:7] + [t for o in outs["m"] for t in o.new_token_ids] == ref.token_ids
+    assert "".join(o.new_text for o in outs["m"]) == ref.text[len(
+        llm.engine.tokenizer.decode(ref.token_ids[:7])):]
