@@ -14,6 +14,7 @@ import grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer import make_receiver
+from kv_transfer.fake import FailingReceiver
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import IncompatibleLayout, KVLayout
 from services.engine.request import RemoteKV
@@ -72,6 +73,20 @@ def _warm_up(receiver, engine_id: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not receiver.poll(tid)[0].done and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+async def _reply(out, first: bool, context) -> wk.DecodeResponse:
+    if out.error:  # ABORTED: a deliberate end (the router does not move it elsewhere)
+        await context.abort(grpc.StatusCode.ABORTED, out.error)
+    reply = wk.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text,
+                              finish_reason=FINISH[out.finish_reason])
+    if out.logprobs and out.new_token_ids:
+        reply.logprobs.extend(logprobs_messages(out.logprobs[-len(out.new_token_ids):]))
+    set_stop_reason(reply, out.stop_reason)
+    if first:
+        reply.cached_tokens = out.num_cached_tokens
+        reply.kv_transfer_s = out.transfer_time or 0.0
+    return reply
 
 
 class DecodeServicer(wk_grpc.DecodeServiceServicer):
@@ -134,6 +149,10 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         handle = request.handle
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if not request.HasField("handle"):
+            async for reply in self._decode_local(request, context):
+                yield reply
+            return
         if handle.engine_id not in self.peers.address:
             if not request.prefill_address:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -169,25 +188,37 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 if not released:
                     released = True  # the load is over, whatever its outcome
                     self._release(handle.engine_id, rid)
-                if out.error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-                reply = wk.DecodeResponse(
-                    token_ids=out.new_token_ids, text=out.new_text,
-                    finish_reason=FINISH[out.finish_reason])
-                if out.logprobs:
-                    reply.logprobs.extend(logprobs_messages(out.logprobs[-len(
-                        out.new_token_ids):] if out.new_token_ids else []))
-                set_stop_reason(reply, out.stop_reason)
-                if first:
-                    first = False
-                    reply.cached_tokens = out.num_cached_tokens
-                    reply.kv_transfer_s = out.transfer_time or 0.0
-                yield reply
+                yield await _reply(out, first, context)
+                first = False
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             if not released:
                 self._release(handle.engine_id, rid)
+
+    async def _decode_local(self, request, context):
+        """No KV handle: compute the prompt's KV here (no prefill worker could, or the
+        request migrates from a dead decode worker) and continue after the outputs the
+        client already has."""
+        try:
+            params = sampling_params(request.sampling)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+
+        def add(engine: LLMEngine):
+            engine.resume_request(list(request.prompt_token_ids),
+                                  list(request.output_token_ids), params, request_id=rid,
+                                  priority=request.priority,
+                                  cache_salt=request.cache_salt or None)
+
+        first = True
+        try:
+            async for out in self.aengine.generate(rid, add):
+                yield await _reply(out, first, context)
+                first = False
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _release(self, engine_id: str, rid: str) -> None:
         stub = self.peers.aio.get(engine_id)
@@ -210,6 +241,9 @@ def serve(args) -> None:
     peers = Peers()
     receiver = make_receiver(args.kv_transport, args.engine_id, KVLayout.of_engine(engine),
                              engine.runner.kv_caches, fetch=peers.fetch)
+    if getattr(args, "inject_kv_failure", None):
+        log.warning("test hook: every KV pull will fail (%s)", args.inject_kv_failure)
+        receiver = FailingReceiver(receiver, args.inject_kv_failure)
     engine.kv_receiver = receiver
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:

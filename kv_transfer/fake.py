@@ -68,3 +68,30 @@ class FakeConnector(KVSender, KVReceiver):
     def close(self) -> None:
         with _lock:
             _registry.pop(self.engine_id, None)
+
+
+class FailingReceiver(KVReceiver):
+    """A test hook for real deployments (`baton serve --inject-kv-failure REASON`): wraps a
+    receiver and fails every pull with REASON, so the failure policy can be exercised
+    end to end."""
+
+    def __init__(self, inner: KVReceiver, reason: str):
+        self.inner = inner
+        self.reason = reason
+        self._ids: set[str] = set()
+
+    def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
+        self.inner.add_peer(engine_id, layout, metadata)
+
+    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
+        self._ids.add(transfer_id)
+
+    def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
+        if transfer_id in self._ids:
+            self._ids.discard(transfer_id)
+            return TransferState.FAILED, f"injected: {self.reason}"
+        return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
+
+    def close(self) -> None:
+        self.inner.close()

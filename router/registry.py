@@ -113,25 +113,27 @@ class Registry:
                 log.error("decode %s cannot take KV from prefill %s: %s", d.address,
                           p.address, e.details())
 
-    def pick(self) -> tuple[Worker, Worker]:
-        """The least loaded prefill worker, and the least loaded decode worker paired with
-        it. Raises LookupError with the reason when there is none."""
-        prefills = sorted((w for w in self.prefill if w.healthy), key=lambda w: w.score)
-        if not prefills:
-            raise LookupError("no healthy prefill worker")
-        errors = []
-        for p in prefills:
-            decodes = [d for d in self.decode if d.healthy and p.address in d.pairs
-                       and d.pairs[p.address] is None]
-            if decodes:
-                d = min(decodes, key=lambda w: w.score)
-                p.routed += 1
-                d.routed += 1
-                return p, d
-            errors += [e for d in self.decode if (e := d.pairs.get(p.address))]
-        if errors:
-            raise LookupError("no compatible decode worker: " + "; ".join(errors))
-        raise LookupError("no healthy decode worker connected to a prefill worker")
+    def prefills(self) -> list[Worker]:
+        """Healthy prefill workers, least loaded first."""
+        return sorted((w for w in self.prefill if w.healthy), key=lambda w: w.score)
+
+    def pick_decode(self, prefill: Worker | None, exclude: set[str] = frozenset()) -> Worker:
+        """The least loaded healthy decode worker, not in `exclude`; paired with `prefill`
+        (shook hands, compatible layouts) when one is given. LookupError says why not."""
+        decodes = [d for d in self.decode if d.healthy and d.address not in exclude]
+        if prefill is not None:
+            paired = [d for d in decodes if d.pairs.get(prefill.address, "") is None]
+            if not paired:
+                errors = [e for d in decodes if (e := d.pairs.get(prefill.address))]
+                if errors:
+                    raise LookupError("no compatible decode worker: " + "; ".join(errors))
+                raise LookupError(f"no healthy decode worker connected to {prefill.address}")
+            decodes = paired
+        if not decodes:
+            raise LookupError("no healthy decode worker")
+        d = min(decodes, key=lambda w: w.score)
+        d.routed += 1
+        return d
 
 
 def _channel(address: str) -> grpc.aio.Channel:

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.CANCELLED}
+# What a worker that died (or whose engine failed) looks like from here: the request goes
+# to another worker. A worker's deliberate refusal (ABORTED: e.g. a failed KV pull under
+# the "fail" policy) does not.
+WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
 class RouterServicer(gen_grpc.GenerationServicer):
@@ -74,79 +78,116 @@ class RouterServicer(gen_grpc.GenerationServicer):
         # never touch each other's request or lease.
         rid = f"{client_id}-{uuid.uuid4().hex[:12]}" if request.request_id else client_id
         ids = await self._prompt_ids(request, context)
-        try:
-            prefill, decode = self.registry.pick()
-        except LookupError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        timeout = context.time_remaining()
         usage = gen.Usage(prompt_tokens=len(ids))
         timings = gen.Timings()
+        dreq = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                sampling=request.sampling, priority=request.priority,
+                                cache_salt=request.cache_salt)
 
-        # 1. Prefill: the first token and the KV handle.
+        # 1. Prefill: the first token and the KV handle, from the least loaded prefill
+        #    worker that answers (prefill has no side effects, so a failure moves on).
+        first, prefill = await self._prefill(rid, ids, request, context)
+        streamed: list[int] = []  # every token the client has, for a migration
+        if first is not None:
+            usage.cached_tokens = first.cached_tokens
+            timings.queue_s, timings.prefill_s = first.queue_s, first.prefill_s
+            timings.first_token_s = time.monotonic() - t0
+            reply = gen.GenerateResponse(request_id=client_id, text=first.text,
+                                         token_ids=[first.first_token_id], timings=timings)
+            if first.HasField("logprobs"):
+                reply.logprobs.append(first.logprobs)
+            streamed.append(first.first_token_id)
+            usage.completion_tokens = 1
+            if first.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                reply.finish_reason = first.finish_reason
+                _copy_stop(reply, first)
+                reply.usage.CopyFrom(usage)
+                yield reply
+                return
+            dreq.first_token_id = first.first_token_id
+            dreq.handle.CopyFrom(first.handle)
+            dreq.prefill_address = prefill.address
+            try:
+                yield reply
+            except BaseException:
+                _release_soon(prefill, rid)  # the client left before decode took over
+                raise
+
+        # 2. Decode: the rest, streamed as it is sampled. A decode worker that dies
+        #    mid-stream hands over to another, which recomputes the KV of the prompt and of
+        #    `streamed` and goes on from there: no gap, no repeated token.
+        exclude: set[str] = set()
+        while True:
+            try:
+                decode = self.registry.pick_decode(
+                    prefill if dreq.HasField("handle") else None, exclude)
+            except LookupError as e:
+                if dreq.HasField("handle"):
+                    _release_soon(prefill, rid)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            call = wk_grpc.DecodeServiceStub(decode.channel).Decode(
+                dreq, timeout=context.time_remaining())
+            answered = False
+            holds_lease = dreq.HasField("handle")
+            decode.inflight += 1
+            try:
+                async for msg in call:
+                    answered = True
+                    if not streamed and msg.token_ids:  # this decode worker prefilled
+                        timings.first_token_s = time.monotonic() - t0
+                    streamed += msg.token_ids
+                    usage.completion_tokens += len(msg.token_ids)
+                    out = gen.GenerateResponse(request_id=client_id, token_ids=msg.token_ids,
+                                               text=msg.text, logprobs=msg.logprobs)
+                    if msg.kv_transfer_s:
+                        timings.kv_transfer_s = msg.kv_transfer_s
+                    if msg.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                        out.finish_reason = msg.finish_reason
+                        _copy_stop(out, msg)
+                        out.usage.CopyFrom(usage)
+                        out.timings.CopyFrom(timings)
+                    yield out
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in WORKER_DOWN:
+                    await self._abort_from(context, e, f"decode worker {decode.address}")
+                log.warning("decode worker %s failed (%s); moving %s on after %d tokens",
+                            decode.address, e.code().name, rid, len(streamed))
+                exclude.add(decode.address)
+                dreq.ClearField("handle")
+                dreq.prefill_address = ""
+                del dreq.output_token_ids[:]
+                dreq.output_token_ids.extend(streamed)
+            finally:
+                decode.inflight -= 1
+                call.cancel()  # a no-op when done; else the client left: end it on the worker
+                if not answered and holds_lease:
+                    _release_soon(prefill, rid)
+
+    async def _prefill(self, rid: str, ids: list[int], request, context):
+        """(PrefillResponse, worker) from the first prefill worker that answers, least
+        loaded first; (None, None) if none can, and then the decode worker prefills."""
         preq = wk.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                  sampling=request.sampling, priority=request.priority,
                                  cache_salt=request.cache_salt)
-        prefill.inflight += 1
-        first = None
-        try:
-            first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
-                preq, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            await self._abort_from(context, e, f"prefill worker {prefill.address}")
-        finally:
-            prefill.inflight -= 1
-            if first is None:  # failed or cancelled: a lease may exist that nobody knows of
-                _release_soon(prefill, rid)
-        usage.completion_tokens = 1
-        usage.cached_tokens = first.cached_tokens
-        timings.queue_s, timings.prefill_s = first.queue_s, first.prefill_s
-        timings.first_token_s = time.monotonic() - t0
-        reply = gen.GenerateResponse(request_id=client_id, token_ids=[first.first_token_id],
-                                     text=first.text, timings=timings)
-        if first.HasField("logprobs"):
-            reply.logprobs.append(first.logprobs)
-        if first.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
-            reply.finish_reason = first.finish_reason
-            _copy_stop(reply, first)
-            reply.usage.CopyFrom(usage)
-            yield reply
-            return
-
-        # 2. Decode: the rest, streamed as it is sampled. Until the decode worker answers,
-        #    the prefill worker's lease is ours to release if the request ends here.
-        dreq = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                first_token_id=first.first_token_id,
-                                sampling=request.sampling, priority=request.priority,
-                                cache_salt=request.cache_salt, handle=first.handle,
-                                prefill_address=prefill.address)
-        call = None
-        answered = False
-        decode.inflight += 1
-        try:
-            yield reply
-            remaining = context.time_remaining()
-            call = wk_grpc.DecodeServiceStub(decode.channel).Decode(dreq, timeout=remaining)
-            async for msg in call:
-                answered = True
-                out = gen.GenerateResponse(request_id=client_id, token_ids=msg.token_ids,
-                                           text=msg.text, logprobs=msg.logprobs)
-                usage.completion_tokens += len(msg.token_ids)
-                if msg.kv_transfer_s:
-                    timings.kv_transfer_s = msg.kv_transfer_s
-                if msg.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
-                    out.finish_reason = msg.finish_reason
-                    _copy_stop(out, msg)
-                    out.usage.CopyFrom(usage)
-                    out.timings.CopyFrom(timings)
-                yield out
-        except grpc.aio.AioRpcError as e:
-            await self._abort_from(context, e, f"decode worker {decode.address}")
-        finally:
-            decode.inflight -= 1
-            if call is not None:
-                call.cancel()  # a no-op when done; else the client left: end it on the worker
-            if not answered:
-                _release_soon(prefill, rid)
+        for prefill in self.registry.prefills():
+            prefill.inflight += 1
+            first = None
+            try:
+                first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
+                    preq, timeout=context.time_remaining())
+                return first, prefill
+            except grpc.aio.AioRpcError as e:
+                # ABORTED here is the prefill engine failing: no side effects, try another.
+                if e.code() not in WORKER_DOWN | {grpc.StatusCode.ABORTED}:
+                    await self._abort_from(context, e, f"prefill worker {prefill.address}")
+                log.warning("prefill worker %s failed (%s) on %s; trying the next",
+                            prefill.address, e.code().name, rid)
+            finally:
+                prefill.inflight -= 1
+                if first is None:  # failed or cancelled: a lease may exist that nobody knows
+                    _release_soon(prefill, rid)
+        return None, None
 
     async def _abort_from(self, context, e: grpc.aio.AioRpcError, where: str) -> None:
         code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE

@@ -43,6 +43,11 @@ def _serve_parser(sub) -> None:
                    default=env("BATON_KV_TRANSPORT"))
     p.add_argument("--kv-lease-timeout", type=float,
                    default=float(env("BATON_KV_LEASE_TIMEOUT", "30")))
+    p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"],
+                   default=env("BATON_KV_LOAD_FAILURE_POLICY", "recompute"),
+                   help="decode: when a KV pull fails, prefill locally, or fail the request")
+    p.add_argument("--inject-kv-failure", default=env("BATON_INJECT_KV_FAILURE"),
+                   help=argparse.SUPPRESS)  # test hook: every KV pull fails with this reason
     p.add_argument("--log-level", default=env("BATON_LOG_LEVEL", "INFO"))
     from services.serving.flags import add_engine_flags
 

@@ -37,7 +37,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=int(args.max_model_len) if args.max_model_len else None,
-                        kv_lease_timeout_s=getattr(args, "kv_lease_timeout", 30.0))
+                        kv_lease_timeout_s=getattr(args, "kv_lease_timeout", 30.0),
+                        kv_load_failure_policy=getattr(args, "kv_load_failure_policy",
+                                                       "recompute"))
 
 
 def run_worker(args, role: str, engine: LLMEngine, service: str, add_servicer,
@@ -101,6 +103,8 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             num_leases=s["num_leases"], num_blocks=s["num_blocks"],
             num_free_blocks=s["num_free_blocks"], num_blocks_pulled=s["num_blocks_pulled"],
             num_blocks_local=s["num_blocks_local"], model_info=model_info(self.engine),
+            num_load_failures=s["num_load_failures"],
+            num_leases_expired=s["num_leases_expired"],
             layout=layout_message(self.layout))
 
     async def ReadKvBlocks(self, request, context):

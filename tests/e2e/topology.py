@@ -31,6 +31,7 @@ class Topology:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self.pending: list[tuple[str, subprocess.Popen]] = []  # started, not yet healthy
 
     def start(self, role: str, *flags: str, wait: bool = True, port: int | None = None) -> str:
         port = port or free_port()
@@ -41,12 +42,19 @@ class Topology:
                "--address", address, *flags]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
+        self.pending.append((address, proc))
         if wait:
-            wait_healthy(address, proc, timeout=180)
+            self.wait()
         return address
 
-    def worker(self, role: str, *flags: str, port: int | None = None) -> str:
-        return self.start(role, *WORKER_FLAGS, *flags, port=port)
+    def wait(self) -> None:
+        """Until every service started so far answers health checks."""
+        for address, proc in self.pending:
+            wait_healthy(address, proc, timeout=240)
+        self.pending.clear()
+
+    def worker(self, role: str, *flags: str, port: int | None = None, wait: bool = True) -> str:
+        return self.start(role, *WORKER_FLAGS, *flags, port=port, wait=wait)
 
     def kill(self, address: str) -> None:
         """Stop the process serving `address` (SIGKILL: no goodbye to its peers)."""

@@ -110,7 +110,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "priority", "cache_salt", "handle", "prefill_address")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "priority", "cache_salt", "handle", "prefill_address", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class DecodeRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -127,7 +128,8 @@ class DecodeRequest(_message.Message):
     cache_salt: str
     handle: KvHandle
     prefill_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "cached_tokens", "kv_transfer_s", "blocks_pulled")
@@ -170,7 +172,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout")
+    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,8 @@ class GetStatsResponse(_message.Message):
     NUM_BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_INFO_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_waiting: int
@@ -195,7 +199,9 @@ class GetStatsResponse(_message.Message):
     num_blocks_local: int
     model_info: _generation_pb2.ModelInfo
     layout: KvLayout
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    num_load_failures: int
+    num_leases_expired: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
     __slots__ = ("block_ids", "request_id")

@@ -1,0 +1,119 @@
+"""Failures with real processes: kill -9 workers mid-request, injected KV transfer
+failures under both policies. Every request must finish with the undisturbed greedy text,
+or with the status the policy promises; nothing hangs (each call has a deadline)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from services.engine import SamplingParams
+from tests.e2e.conftest import stats
+from tests.e2e.test_disaggregated import greedy, joined, run
+from tests.e2e.topology import Topology, channel
+
+PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 3
+
+
+@pytest.fixture(scope="module")
+def offline(make_llm):
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_path):
+    topo = Topology(tmp_path_factory.mktemp("failures"))
+    try:
+        nixl = ("--kv-transport", "nixl")
+        p1 = topo.worker("prefill", *nixl, wait=False)
+        p2 = topo.worker("prefill", *nixl, wait=False)
+        d1 = topo.worker("decode", *nixl, wait=False)
+        d2 = topo.worker("decode", *nixl, wait=False)
+        broken = topo.worker("decode", *nixl, "--inject-kv-failure", "test", wait=False)
+        strict = topo.worker("decode", *nixl, "--inject-kv-failure", "test",
+                             "--kv-load-failure-policy", "fail", wait=False)
+        topo.wait()  # loading six engines at once: the cores are the limit either way
+        yield {
+            "topology": topo, "p1": p1, "p2": p2, "d1": d1, "d2": d2,
+            "router": topo.start("router", "--prefill", p1, "--prefill", p2,
+                                 "--decode", d1, "--decode", d2),
+            "recompute": topo.start("router", "--prefill", p1, "--decode", broken),
+            "fail": topo.start("router", "--prefill", p1, "--decode", strict),
+        }
+    finally:
+        topo.stop()
+
+
+def _until_served(router: str, req: gen.GenerateRequest, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return run(router, req, timeout=60)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_injected_transfer_failure_recomputes_the_same_text(cluster, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    msgs = _until_served(cluster["recompute"], gen.GenerateRequest(text=PROMPT,
+                                                                   sampling=greedy(16)))
+    assert joined(msgs) == (ref.token_ids, ref.text)
+
+
+def test_injected_transfer_failure_under_fail_policy_is_unavailable(cluster):
+    _until_served(cluster["fail"], gen.GenerateRequest(text="hi", sampling=greedy(1)))
+    with pytest.raises(grpc.RpcError) as e:
+        run(cluster["fail"], gen.GenerateRequest(text=PROMPT, sampling=greedy(16)), timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "injected" in e.value.details()
+
+
+def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0.0,
+                                                    ignore_eos=True))[0]
+    _until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    req = gen.GenerateRequest(text=PROMPT, sampling=greedy(48, ignore_eos=True))
+    msgs, killed = [], []
+    with channel(cluster["router"]) as ch:
+        for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
+            msgs.append(msg)
+            if len(msgs) == 6:  # mid-stream: kill whichever decode worker runs it
+                victim = next(d for d in ("d1", "d2") if stats(cluster[d]).num_running)
+                cluster["topology"].kill(cluster[victim])
+                killed.append(victim)
+    assert killed and joined(msgs) == (ref.token_ids, ref.text)
+    assert msgs[-1].usage.completion_tokens == 48
+
+
+def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    router = cluster["router"]
+    # Kill one prefill worker while requests are in flight: they finish elsewhere.
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        try:
+            results[i] = joined(_until_served(router, gen.GenerateRequest(
+                text=PROMPT, sampling=greedy(12))))
+        except grpc.RpcError as e:
+            results[i] = e.code()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    cluster["topology"].kill(cluster["p1"])
+    for t in threads:
+        t.join(timeout=120)
+    assert all(results[i] == (ref.token_ids, ref.text) for i in range(4)), results
+    # With no prefill worker at all, the decode worker prefills itself.
+    cluster["topology"].kill(cluster["p2"])
+    msgs = _until_served(router, gen.GenerateRequest(text=PROMPT, sampling=greedy(12)))
+    assert joined(msgs) == (ref.token_ids, ref.text)
