@@ -20,8 +20,9 @@ from services.engine.kv_layout import IncompatibleLayout, KVLayout
 from services.engine.request import RemoteKV
 from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
 from services.serving.server import CHANNEL_OPTIONS
-from services.worker.async_engine import AsyncEngine
+from services.worker.async_engine import AsyncEngine, Overloaded
 from services.worker.common import (
+    abort_overloaded,
     engine_config,
     layout_from_message,
     layout_message,
@@ -190,6 +191,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                     self._release(handle.engine_id, rid)
                 yield await _reply(out, first, context)
                 first = False
+        except Overloaded as e:
+            await abort_overloaded(context, e)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
@@ -217,6 +220,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             async for out in self.aengine.generate(rid, add):
                 yield await _reply(out, first, context)
                 first = False
+        except Overloaded as e:
+            await abort_overloaded(context, e)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -14,8 +14,9 @@ from kv_transfer import make_sender
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import IncompatibleLayout, KVLayout
 from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
-from services.worker.async_engine import AsyncEngine
+from services.worker.async_engine import AsyncEngine, Overloaded
 from services.worker.common import (
+    abort_overloaded,
     engine_config,
     layout_from_message,
     layout_message,
@@ -52,6 +53,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         try:
             async for o in self.aengine.generate(rid, add):
                 out = o
+        except Overloaded as e:
+            await abort_overloaded(context, e)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if out is None or out.error or (out.finish_reason == "abort"):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.CANCELLED}
+RETRY_AFTER_MS = 1000  # the hint sent with RESOURCE_EXHAUSTED
 # What a worker that died (or whose engine failed) looks like from here: the request goes
 # to another worker. A worker's deliberate refusal (ABORTED: e.g. a failed KV pull under
 # the "fail" policy) does not.
@@ -39,9 +40,26 @@ WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.Status
 
 
 class RouterServicer(gen_grpc.GenerationServicer):
-    def __init__(self, registry: Registry, tokenizer: Tokenizer):
+    def __init__(self, registry: Registry, tokenizer: Tokenizer, max_inflight: int = 256):
         self.registry = registry
         self.tokenizer = tokenizer
+        self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
+        self.inflight = 0
+
+    async def Generate(self, request, context):
+        """Admission, then the request's whole path (_generate)."""
+        if self.inflight >= self.max_inflight:
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"router at capacity: {self.inflight} requests in flight "
+                                f"(limit {self.max_inflight}); retry after "
+                                f"{RETRY_AFTER_MS / 1000:.1f}s")
+        self.inflight += 1
+        try:
+            async for reply in self._generate(request, context):
+                yield reply
+        finally:
+            self.inflight -= 1
 
     async def _prompt_ids(self, request, context) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -71,7 +89,7 @@ class RouterServicer(gen_grpc.GenerationServicer):
                                     f"{info.max_model_len}")
         return ids
 
-    async def Generate(self, request, context):
+    async def _generate(self, request, context):
         t0 = time.monotonic()
         client_id = request.request_id or uuid.uuid4().hex
         # Workers see a unique id, so two clients that pick the same id (or a retry) can
@@ -248,8 +266,8 @@ def serve(args) -> None:
         await registry.start()
 
         def register(server: grpc.aio.Server) -> list[str]:
-            gen_grpc.add_GenerationServicer_to_server(RouterServicer(registry, tokenizer),
-                                                      server)
+            gen_grpc.add_GenerationServicer_to_server(
+                RouterServicer(registry, tokenizer, args.max_inflight), server)
             return [service_name(gen, "Generation")]
 
         await run_server(args.address, register, on_stop=registry.close)

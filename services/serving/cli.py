@@ -39,6 +39,9 @@ def _serve_parser(sub) -> None:
                    help="router: a prefill worker address (repeat, or comma-separate)")
     p.add_argument("--decode", action="append", default=_split(env("BATON_DECODE")),
                    help="router: a decode worker address (repeat, or comma-separate)")
+    p.add_argument("--max-inflight", type=int,
+                   default=int(env("BATON_MAX_INFLIGHT", "256")),
+                   help="router: requests in flight at once; past it, RESOURCE_EXHAUSTED")
     p.add_argument("--kv-transport", choices=["nixl", "grpc"],
                    default=env("BATON_KV_TRANSPORT"))
     p.add_argument("--kv-lease-timeout", type=float,

@@ -20,5 +20,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(env("BATON_MAX_NUM_BATCHED_TOKENS", "2048")))
     parser.add_argument("--max-model-len", type=int, default=env("BATON_MAX_MODEL_LEN"))
+    parser.add_argument("--max-queue", type=int, default=env("BATON_MAX_QUEUE"),
+                        help="requests that may wait; past it, RESOURCE_EXHAUSTED at once "
+                        "(default: 4 x max-num-seqs)")
     parser.add_argument("--threads", type=int, default=env("BATON_THREADS"),
                         help="torch intra-op threads (default: torch's choice)")

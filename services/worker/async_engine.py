@@ -27,11 +27,22 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle engine thread still wakes this often (lease expiry)
 LOAD_WAIT_S = 0.001  # while only remote KV loads are pending: poll this often
+RETRY_AFTER_S = 1.0  # the hint given with RESOURCE_EXHAUSTED
+
+
+class Overloaded(Exception):
+    """The engine's waiting queue is full: the caller should come back later."""
+
+    def __init__(self, waiting: int, limit: int, retry_after_s: float):
+        super().__init__(f"worker at capacity: {waiting} requests waiting (limit {limit}); "
+                         f"retry after {retry_after_s:.1f}s")
+        self.retry_after_s = retry_after_s
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
         self.engine = engine
+        self.max_waiting = max_waiting  # bound on the waiting queue; None: unbounded
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -62,8 +73,16 @@ class AsyncEngine:
         entry = (asyncio.get_running_loop(), queue)
         self._queues[request_id] = entry
         added = finished = False
+
+        def admit(engine: LLMEngine):
+            # Checked on the engine thread, so the count cannot change under us.
+            waiting = len(engine.scheduler.waiting)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise Overloaded(waiting, self.max_waiting, RETRY_AFTER_S)
+            return add(engine)
+
         try:
-            await self.call(add)
+            await self.call(admit)
             added = True
             while True:
                 out = await queue.get()

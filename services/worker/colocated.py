@@ -17,8 +17,15 @@ from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.engine.engine import LLMEngine
 from services.serving.convert import FINISH, chat_messages, logprobs_messages, set_stop_reason
 from services.serving.server import run_server, service_name
-from services.worker.async_engine import AsyncEngine
-from services.worker.common import WorkerServicer, engine_config, model_info, sampling_params
+from services.worker.async_engine import AsyncEngine, Overloaded
+from services.worker.common import (
+    WorkerServicer,
+    abort_overloaded,
+    engine_config,
+    max_waiting,
+    model_info,
+    sampling_params,
+)
 
 
 class ColocatedServicer(gen_grpc.GenerationServicer):
@@ -72,6 +79,8 @@ class ColocatedServicer(gen_grpc.GenerationServicer):
                         completion_tokens=len(out.token_ids),
                         cached_tokens=out.num_cached_tokens))
                 yield reply
+        except Overloaded as e:
+            await abort_overloaded(context, e)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -91,7 +100,7 @@ class ColocatedServicer(gen_grpc.GenerationServicer):
 
 def serve(args) -> None:
     engine = LLMEngine(engine_config(args))
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, max_waiting(args))
 
     def register(server: grpc.aio.Server) -> list[str]:
         gen_grpc.add_GenerationServicer_to_server(ColocatedServicer(aengine), server)

@@ -20,7 +20,7 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.serving.convert import sampling_kwargs
 from services.serving.server import run_server, service_name
-from services.worker.async_engine import AsyncEngine
+from services.worker.async_engine import AsyncEngine, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                                        "recompute"))
 
 
+def max_waiting(args) -> int:
+    """The waiting-queue bound: --max-queue, else four times max_num_seqs."""
+    return int(getattr(args, "max_queue", None) or 4 * args.max_num_seqs)
+
+
+async def abort_overloaded(context, e: Overloaded) -> None:
+    """RESOURCE_EXHAUSTED at once, with a retry-after hint in the trailing metadata."""
+    context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+
 def run_worker(args, role: str, engine: LLMEngine, service: str, add_servicer,
                closers=()) -> None:
     """Serve `engine` in `role` until a signal: the role's servicer (added by
     `add_servicer(server, aengine)`, named `service` in worker.proto) and WorkerService."""
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, max_waiting(args))
 
     def register(server: grpc.aio.Server) -> list[str]:
         add_servicer(server, aengine)

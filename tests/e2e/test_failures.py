@@ -44,6 +44,8 @@ def cluster(tmp_path_factory, model_path):
                                  "--decode", d1, "--decode", d2),
             "recompute": topo.start("router", "--prefill", p1, "--decode", broken),
             "fail": topo.start("router", "--prefill", p1, "--decode", strict),
+            "small": topo.start("router", "--prefill", p1, "--prefill", p2, "--decode", d1,
+                                "--decode", d2, "--max-inflight", "4"),
         }
     finally:
         topo.stop()
@@ -73,6 +75,37 @@ def test_injected_transfer_failure_under_fail_policy_is_unavailable(cluster):
         run(cluster["fail"], gen.GenerateRequest(text=PROMPT, sampling=greedy(16)), timeout=60)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "injected" in e.value.details()
+
+
+def test_overload_is_refused_quickly_and_admitted_requests_complete(cluster, offline):
+    """16 clients at once against a router that admits 4: the rest get RESOURCE_EXHAUSTED
+    with a retry-after hint, fast; every admitted request gets the right text."""
+    prompts = [f"Overload probe number {i}: say something." for i in range(16)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    _until_served(cluster["small"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    results: dict[int, object] = {}
+    go = threading.Barrier(16)
+
+    def client(i: int) -> None:
+        go.wait()
+        t0 = time.monotonic()
+        try:
+            results[i] = joined(run(cluster["small"], gen.GenerateRequest(
+                text=prompts[i], sampling=greedy(16)), timeout=120))
+        except grpc.RpcError as e:
+            hint = dict(e.trailing_metadata() or ()).get("retry-after-ms")
+            results[i] = (e.code(), time.monotonic() - t0, hint)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    admitted = [i for i, r in results.items() if r == (want[i].token_ids, want[i].text)]
+    refused = [r for r in results.values() if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(admitted) + len(refused) == 16, results
+    assert len(admitted) >= 4 and len(refused) >= 8
+    assert all(took < 1.0 and hint for _, took, hint in refused)
 
 
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):

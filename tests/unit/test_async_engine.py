@@ -111,3 +111,19 @@ def test_failed_step_ends_every_stream_and_the_thread_lives(aengine, monkeypatch
     outs, _ = asyncio.run(main())
     assert outs[-1].finish_reason == "abort" and outs[-1].error == "internal engine error"
     assert len(engine.pool.cached) == 0  # blocks published by the failed step are dropped
+
+
+def test_full_queue_refuses_at_once(aengine):
+    from services.worker.async_engine import Overloaded
+
+    async def main():
+        async for _ in aengine.generate("o", lambda e: e.add_request("hi", None, "o")):
+            pass
+
+    aengine.max_waiting = 0
+    try:
+        with pytest.raises(Overloaded, match="retry after"):
+            asyncio.run(main())
+    finally:
+        aengine.max_waiting = None
+    assert not aengine.engine.has_unfinished_requests()
