@@ -270,6 +270,7 @@ def serve(args) -> None:
                 RouterServicer(registry, tokenizer, args.max_inflight), server)
             return [service_name(gen, "Generation")]
 
-        await run_server(args.address, register, on_stop=registry.close)
+        await run_server(args.address, register, on_stop=registry.close,
+                         grace_s=getattr(args, "drain_grace", 30.0))
 
     asyncio.run(main())

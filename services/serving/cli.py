@@ -51,6 +51,9 @@ def _serve_parser(sub) -> None:
                    help="decode: when a KV pull fails, prefill locally, or fail the request")
     p.add_argument("--inject-kv-failure", default=env("BATON_INJECT_KV_FAILURE"),
                    help=argparse.SUPPRESS)  # test hook: every KV pull fails with this reason
+    p.add_argument("--drain-grace", type=float,
+                   default=float(env("BATON_DRAIN_GRACE", "30")),
+                   help="on SIGTERM: seconds in-flight requests get to finish")
     p.add_argument("--log-level", default=env("BATON_LOG_LEVEL", "INFO"))
     from services.serving.flags import add_engine_flags
 

@@ -63,7 +63,9 @@ def spawn(role: str, port: int, extra: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, start_new_session=True)
 
 
-def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 40.0) -> None:
+    """SIGTERM each, then wait: a service drains its in-flight requests (up to its
+    --drain-grace, 30 s by default) before it exits. SIGKILL after `grace_s`."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

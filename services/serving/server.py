@@ -23,7 +23,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 async def run_server(address: str, register: Callable[[grpc.aio.Server], list[str]],
                      on_stop: Callable[[], Awaitable[None]] | None = None,
-                     grace_s: float = 5.0, ready: asyncio.Event | None = None) -> None:
+                     grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM. `register` adds the servicers and returns their full
     service names, which health and reflection then advertise."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)

@@ -111,4 +111,5 @@ def serve(args) -> None:
     async def stop():
         aengine.stop()
 
-    asyncio.run(run_server(args.address, register, on_stop=stop))
+    asyncio.run(run_server(args.address, register, on_stop=stop,
+                           grace_s=getattr(args, "drain_grace", 30.0)))

@@ -72,7 +72,8 @@ def run_worker(args, role: str, engine: LLMEngine, service: str, add_servicer,
 
     log.info("%s engine %s, KV transport %s, layout %s", role, args.engine_id,
              getattr(args, "kv_transport", None), KVLayout.of_engine(engine).fingerprint)
-    asyncio.run(run_server(args.address, register, on_stop=stop))
+    asyncio.run(run_server(args.address, register, on_stop=stop,
+                           grace_s=getattr(args, "drain_grace", 30.0)))
 
 
 def sampling_params(msg: gen.SamplingParams) -> SamplingParams:

@@ -4,6 +4,7 @@ or with the status the policy promises; nothing hangs (each call has a deadline)
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -34,14 +35,15 @@ def cluster(tmp_path_factory, model_path):
         p2 = topo.worker("prefill", *nixl, wait=False)
         d1 = topo.worker("decode", *nixl, wait=False)
         d2 = topo.worker("decode", *nixl, wait=False)
+        d3 = topo.worker("decode", *nixl, wait=False)
         broken = topo.worker("decode", *nixl, "--inject-kv-failure", "test", wait=False)
         strict = topo.worker("decode", *nixl, "--inject-kv-failure", "test",
                              "--kv-load-failure-policy", "fail", wait=False)
         topo.wait()  # loading six engines at once: the cores are the limit either way
         yield {
-            "topology": topo, "p1": p1, "p2": p2, "d1": d1, "d2": d2,
+            "topology": topo, "p1": p1, "p2": p2, "d1": d1, "d2": d2, "d3": d3,
             "router": topo.start("router", "--prefill", p1, "--prefill", p2,
-                                 "--decode", d1, "--decode", d2),
+                                 "--decode", d1, "--decode", d2, "--decode", d3),
             "recompute": topo.start("router", "--prefill", p1, "--decode", broken),
             "fail": topo.start("router", "--prefill", p1, "--decode", strict),
             "small": topo.start("router", "--prefill", p1, "--prefill", p2, "--decode", d1,
@@ -108,6 +110,34 @@ def test_overload_is_refused_quickly_and_admitted_requests_complete(cluster, off
     assert all(took < 1.0 and hint for _, took, hint in refused)
 
 
+def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline):
+    """A decode worker told to stop finishes what it holds and takes nothing new; every
+    request sent around it completes with the right text."""
+    prompts = [f"Drain probe {i}: count to ten slowly." for i in range(8)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                    ignore_eos=True))
+    _until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        time.sleep(0.15 * i)  # some before the drain, some during, some after
+        try:
+            results[i] = joined(_until_served(cluster["router"], gen.GenerateRequest(
+                text=prompts[i], sampling=greedy(24, ignore_eos=True))))
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    proc = cluster["topology"].kill(cluster["d2"], signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=180)
+    assert proc is not None and proc.wait(timeout=60) == 0
+    assert [results.get(i) for i in range(8)] == [(w.token_ids, w.text) for w in want]
+
+
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0.0,
                                                     ignore_eos=True))[0]
@@ -118,7 +148,7 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
         for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
             msgs.append(msg)
             if len(msgs) == 6:  # mid-stream: kill whichever decode worker runs it
-                victim = next(d for d in ("d1", "d2") if stats(cluster[d]).num_running)
+                victim = next(d for d in ("d1", "d3") if stats(cluster[d]).num_running)
                 cluster["topology"].kill(cluster[victim])
                 killed.append(victim)
     assert killed and joined(msgs) == (ref.token_ids, ref.text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,13 +57,17 @@ class Topology:
     def worker(self, role: str, *flags: str, port: int | None = None, wait: bool = True) -> str:
         return self.start(role, *WORKER_FLAGS, *flags, port=port, wait=wait)
 
-    def kill(self, address: str) -> None:
-        """Stop the process serving `address` (SIGKILL: no goodbye to its peers)."""
+    def kill(self, address: str, sig: int = signal.SIGKILL) -> subprocess.Popen | None:
+        """Signal the process serving `address`: SIGKILL (no goodbye to its peers) waits
+        for it; SIGTERM (a drain) returns it to wait on."""
         for proc in self.procs:
             own = proc.args[proc.args.index("--address") + 1]
             if proc.poll() is None and own == address:
-                proc.kill()
-                proc.wait()
+                proc.send_signal(sig)
+                if sig == signal.SIGKILL:
+                    proc.wait()
+                return proc
+        return None
 
     def disaggregated(self, transport: str) -> dict[str, str]:
         """A prefill and a decode worker over `transport`, and a router in front."""
