@@ -33,6 +33,7 @@ PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAU
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.CANCELLED}
 RETRY_AFTER_MS = 1000  # the hint sent with RESOURCE_EXHAUSTED
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer packs more characters than this into a token
 # What a worker that died (or whose engine failed) looks like from here: the request goes
 # to another worker. A worker's deliberate refusal (ABORTED: e.g. a failed KV pull under
 # the "fail" policy) does not.
@@ -40,9 +41,11 @@ WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.Status
 
 
 class RouterServicer(gen_grpc.GenerationServicer):
-    def __init__(self, registry: Registry, tokenizer: Tokenizer, max_inflight: int = 256):
+    def __init__(self, registry: Registry, tokenizer: Tokenizer, max_inflight: int = 256,
+                 request_timeout: float = 600.0):
         self.registry = registry
         self.tokenizer = tokenizer
+        self.request_timeout = request_timeout
         self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
         self.inflight = 0
 
@@ -63,6 +66,12 @@ class RouterServicer(gen_grpc.GenerationServicer):
 
     async def _prompt_ids(self, request, context) -> list[int]:
         kind = request.WhichOneof("prompt")
+        info = self.registry.model_info()
+        if info is not None and kind == "text" and len(request.text) > MAX_CHARS_PER_TOKEN * (
+                info.max_model_len):  # certainly too long: refuse before tokenizing it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"text: {len(request.text)} characters cannot fit in "
+                                f"max_model_len {info.max_model_len} tokens")
         try:
             if kind == "text":
                 ids = self.tokenizer.encode(request.text)
@@ -74,18 +83,18 @@ class RouterServicer(gen_grpc.GenerationServicer):
                 raise ValueError("the request has no prompt (text, token_ids or chat)")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        info = self.registry.model_info()
         if not ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "prompt: empty (send text, token_ids or chat)")
         if info is not None:
             bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
             if bad is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"token id {bad} is outside the vocabulary "
+                                    f"token_ids: id {bad} is outside the vocabulary "
                                     f"[0, {info.vocab_size})")
             if len(ids) >= info.max_model_len:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"prompt has {len(ids)} tokens; max_model_len is "
+                                    f"prompt: {len(ids)} tokens; max_model_len is "
                                     f"{info.max_model_len}")
         return ids
 
@@ -144,7 +153,7 @@ class RouterServicer(gen_grpc.GenerationServicer):
                     _release_soon(prefill, rid)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             call = wk_grpc.DecodeServiceStub(decode.channel).Decode(
-                dreq, timeout=context.time_remaining())
+                dreq, timeout=self._remaining(context))
             answered = False
             holds_lease = dreq.HasField("handle")
             decode.inflight += 1
@@ -193,7 +202,7 @@ class RouterServicer(gen_grpc.GenerationServicer):
             first = None
             try:
                 first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
-                    preq, timeout=context.time_remaining())
+                    preq, timeout=self._remaining(context))
                 return first, prefill
             except grpc.aio.AioRpcError as e:
                 # ABORTED here is the prefill engine failing: no side effects, try another.
@@ -206,6 +215,11 @@ class RouterServicer(gen_grpc.GenerationServicer):
                 if first is None:  # failed or cancelled: a lease may exist that nobody knows
                     _release_soon(prefill, rid)
         return None, None
+
+    def _remaining(self, context) -> float:
+        """Every hop has a deadline: the client's, or --request-timeout if it set none."""
+        left = context.time_remaining()
+        return self.request_timeout if left is None else min(left, self.request_timeout)
 
     async def _abort_from(self, context, e: grpc.aio.AioRpcError, where: str) -> None:
         code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
@@ -267,7 +281,8 @@ def serve(args) -> None:
 
         def register(server: grpc.aio.Server) -> list[str]:
             gen_grpc.add_GenerationServicer_to_server(
-                RouterServicer(registry, tokenizer, args.max_inflight), server)
+                RouterServicer(registry, tokenizer, args.max_inflight,
+                               args.request_timeout), server)
             return [service_name(gen, "Generation")]
 
         await run_server(args.address, register, on_stop=registry.close,

@@ -42,6 +42,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-inflight", type=int,
                    default=int(env("BATON_MAX_INFLIGHT", "256")),
                    help="router: requests in flight at once; past it, RESOURCE_EXHAUSTED")
+    p.add_argument("--request-timeout", type=float,
+                   default=float(env("BATON_REQUEST_TIMEOUT", "600")),
+                   help="router: the deadline of a request whose client set none")
     p.add_argument("--kv-transport", choices=["nixl", "grpc"],
                    default=env("BATON_KV_TRANSPORT"))
     p.add_argument("--kv-lease-timeout", type=float,

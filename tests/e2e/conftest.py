@@ -40,6 +40,26 @@ def _wait_paired(router: str, decode: str, timeout: float = 30.0) -> None:
     raise TimeoutError("router never paired the workers")
 
 
+@pytest.fixture(autouse=True)
+def topology_stays_clean(request):
+    """The e2e leak check: after each test that used the session topology, every block of
+    both workers is free again and no lease or request is left (within a few seconds:
+    releases and aborts travel over RPCs)."""
+    yield
+    if "topology" not in request.fixturenames:
+        return
+    topo = request.getfixturevalue("topology")
+    deadline = time.monotonic() + 5
+    while True:
+        left = [s for s in (stats(topo["prefill"]), stats(topo["decode"]))
+                if s.num_free_blocks != s.num_blocks or s.num_leases or s.num_running
+                or s.num_waiting or s.num_loading]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"leaked on a worker after the test: {left}"
+
+
 def stats(address: str) -> wk.GetStatsResponse:
     with channel(address) as ch:
         return wk_grpc.WorkerServiceStub(ch).GetStats(wk.GetStatsRequest(), timeout=5)

@@ -190,7 +190,8 @@ def test_deadline_ends_the_request_everywhere(topology):
 
 
 def test_bad_input_gets_invalid_argument(topology):
-    cases = [gen.GenerateRequest(text=""),
+    cases = [gen.GenerateRequest(text="x" * 2_000_000),  # refused before tokenizing
+             gen.GenerateRequest(text=""),
              gen.GenerateRequest(text="hi", sampling=gen.SamplingParams(temperature=-1)),
              gen.GenerateRequest(token_ids=gen.TokenIds(ids=[10**8])),
              gen.GenerateRequest()]
