@@ -156,7 +156,8 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
 
 
 def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline):
-    ref = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    long_prompt = PROMPT * 6  # a prefill long enough to be caught in the middle
+    ref = offline.generate([long_prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
     router = cluster["router"]
     # Kill one prefill worker while requests are in flight: they finish elsewhere.
     results: dict[int, object] = {}
@@ -164,19 +165,22 @@ def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline)
     def client(i: int) -> None:
         try:
             results[i] = joined(_until_served(router, gen.GenerateRequest(
-                text=PROMPT, sampling=greedy(12))))
+                text=long_prompt, sampling=greedy(12))))
         except grpc.RpcError as e:
             results[i] = e.code()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    cluster["topology"].kill(cluster["p1"])
+    deadline = time.monotonic() + 10
+    while not stats(cluster["p1"]).num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stats(cluster["p1"]).num_running, "p1 never got a prompt to prefill"
+    cluster["topology"].kill(cluster["p1"])  # mid-prefill
     for t in threads:
         t.join(timeout=120)
-    assert all(results[i] == (ref.token_ids, ref.text) for i in range(4)), results
+    assert all(results.get(i) == (ref.token_ids, ref.text) for i in range(4)), results
     # With no prefill worker at all, the decode worker prefills itself.
     cluster["topology"].kill(cluster["p2"])
-    msgs = _until_served(router, gen.GenerateRequest(text=PROMPT, sampling=greedy(12)))
+    msgs = _until_served(router, gen.GenerateRequest(text=long_prompt, sampling=greedy(12)))
     assert joined(msgs) == (ref.token_ids, ref.text)
