@@ -21,7 +21,8 @@ from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from router.registry import Registry
-from services.serving.convert import chat_messages, stop_reason_of
+from services.serving.convert import chat_messages, sampling_kwargs, stop_reason_of
+from services.serving.sampling_params import SamplingParams
 from services.serving.server import run_server, service_name
 from services.serving.tokenizer import Tokenizer
 
@@ -105,6 +106,10 @@ class RouterServicer(gen_grpc.GenerationServicer):
         # never touch each other's request or lease.
         rid = f"{client_id}-{uuid.uuid4().hex[:12]}" if request.request_id else client_id
         ids = await self._prompt_ids(request, context)
+        try:  # the engine's own rules, before any worker sees the request
+            SamplingParams(**sampling_kwargs(request.sampling))
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         usage = gen.Usage(prompt_tokens=len(ids))
         timings = gen.Timings()
         dreq = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,

@@ -195,10 +195,12 @@ def test_bad_input_gets_invalid_argument(topology):
              gen.GenerateRequest(text="hi", sampling=gen.SamplingParams(temperature=-1)),
              gen.GenerateRequest(token_ids=gen.TokenIds(ids=[10**8])),
              gen.GenerateRequest()]
-    for req in cases:
+    named = ["text", "prompt", "temperature", "token_ids", "prompt"]
+    for req, field in zip(cases, named, strict=True):
         with pytest.raises(grpc.RpcError) as e:
             run(topology["router"], req)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        assert field in e.value.details(), (field, e.value.details())
     assert _all_free(topology["prefill"]) and _all_free(topology["decode"])
 
 
