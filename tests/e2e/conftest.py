@@ -49,15 +49,31 @@ def topology_stays_clean(request):
     if "topology" not in request.fixturenames:
         return
     topo = request.getfixturevalue("topology")
-    deadline = time.monotonic() + 5
+    assert both_free_within(topo, 5.0), (
+        f"leaked on a worker after the test: {stats(topo['prefill'])} {stats(topo['decode'])}")
+
+
+@pytest.fixture(scope="session")
+def offline(make_llm):
+    """The offline engine the services' greedy text must equal (fp32, as the workers)."""
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
+
+
+def all_free(address: str) -> bool:
+    s = stats(address)
+    return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==
+            s.num_loading == s.num_leases == 0)
+
+
+def both_free_within(topology, seconds: float) -> bool:
+    """Whether both workers of `topology` hold nothing within `seconds`."""
+    deadline = time.monotonic() + seconds
     while True:
-        left = [s for s in (stats(topo["prefill"]), stats(topo["decode"]))
-                if s.num_free_blocks != s.num_blocks or s.num_leases or s.num_running
-                or s.num_waiting or s.num_loading]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not left, f"leaked on a worker after the test: {left}"
+        if all_free(topology["prefill"]) and all_free(topology["decode"]):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
 
 
 def stats(address: str) -> wk.GetStatsResponse:

@@ -16,7 +16,7 @@ from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.engine import SamplingParams
-from tests.e2e.conftest import stats
+from tests.e2e.conftest import all_free, both_free_within, stats
 from tests.e2e.topology import channel
 
 PROMPTS = [
@@ -27,11 +27,6 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a land of paged memory,",
 ]
-
-
-@pytest.fixture(scope="module")
-def offline(make_llm):
-    return make_llm(dtype="float32", max_num_batched_tokens=256)
 
 
 def greedy(max_tokens: int, **kw) -> gen.SamplingParams:
@@ -149,12 +144,6 @@ def test_only_missing_blocks_move(topology, offline):
     assert joined(msgs)[0] == ref.token_ids
 
 
-def _all_free(address: str) -> bool:
-    s = stats(address)
-    return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==
-            s.num_loading == s.num_leases == 0)
-
-
 @pytest.mark.parametrize("after", [1, 4], ids=["after-first-token", "mid-decode"])
 def test_cancel_frees_every_block_within_a_second(topology, after):
     req = gen.GenerateRequest(text="Write a very long story.",
@@ -165,14 +154,9 @@ def test_cancel_frees_every_block_within_a_second(topology, after):
             if i == after:
                 break
         if after > 1:
-            assert not _all_free(topology["decode"])
+            assert not all_free(topology["decode"])
         call.cancel()
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 1.0:
-            if _all_free(topology["decode"]) and _all_free(topology["prefill"]):
-                break
-            time.sleep(0.02)
-    assert _all_free(topology["decode"]) and _all_free(topology["prefill"])
+    assert both_free_within(topology, 1.0)
 
 
 def test_deadline_ends_the_request_everywhere(topology):
@@ -181,12 +165,7 @@ def test_deadline_ends_the_request_everywhere(topology):
     with pytest.raises(grpc.RpcError) as e:
         run(topology["router"], req, timeout=1.5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.0:
-        if _all_free(topology["decode"]) and _all_free(topology["prefill"]):
-            break
-        time.sleep(0.02)
-    assert _all_free(topology["decode"]) and _all_free(topology["prefill"])
+    assert both_free_within(topology, 1.0)
 
 
 def test_bad_input_gets_invalid_argument(topology):
@@ -201,7 +180,7 @@ def test_bad_input_gets_invalid_argument(topology):
             run(topology["router"], req)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
         assert field in e.value.details(), (field, e.value.details())
-    assert _all_free(topology["prefill"]) and _all_free(topology["decode"])
+    assert all_free(topology["prefill"]) and all_free(topology["decode"])
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])

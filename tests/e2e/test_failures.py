@@ -22,11 +22,6 @@ PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 3
 
 
 @pytest.fixture(scope="module")
-def offline(make_llm):
-    return make_llm(dtype="float32", max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path):
     topo = Topology(tmp_path_factory.mktemp("failures"))
     try:

@@ -15,11 +15,6 @@ PROMPTS = ["The three primary colours are", "Paged KV blocks move between worker
 
 
 @pytest.fixture(scope="module")
-def offline(make_llm):
-    return make_llm(dtype="float32", max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
 def services(tmp_path_factory, model_path):
     topo = Topology(tmp_path_factory.mktemp("fallback"))
     try:

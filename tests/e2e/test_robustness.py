@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import grpc
 from hypothesis import HealthCheck, given, settings
@@ -14,18 +13,8 @@ from hypothesis import strategies as st
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from tests.e2e.conftest import stats
-from tests.e2e.test_disaggregated import _all_free
+from tests.e2e.conftest import both_free_within, stats
 from tests.e2e.topology import channel
-
-
-def _wait_all_free(topology, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _all_free(topology["prefill"]) and _all_free(topology["decode"]):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_200_requests_with_cancellations_and_short_deadlines_leak_nothing(topology):
@@ -68,7 +57,7 @@ def test_200_requests_with_cancellations_and_short_deadlines_leak_nothing(topolo
         t.join(timeout=600)
     assert sum(outcomes.values()) == 200
     assert set(outcomes) <= {"ok", "CANCELLED", "DEADLINE_EXCEEDED"}, outcomes
-    assert _wait_all_free(topology), (stats(topology["prefill"]), stats(topology["decode"]))
+    assert both_free_within(topology, 5.0), (stats(topology["prefill"]), stats(topology["decode"]))
 
 
 _floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
@@ -105,4 +94,4 @@ def test_fuzzed_requests_get_ok_or_invalid_argument(topology, prompt, sampling, 
 
 
 def test_workers_are_up_and_clean_after_the_fuzzing(topology):
-    assert _wait_all_free(topology)
+    assert both_free_within(topology, 5.0)
