@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 
@@ -151,8 +152,9 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if not request.HasField("handle"):
-            async for reply in self._decode_local(request, context):
-                yield reply
+            async with aclosing(self._decode_local(request, context)) as replies:
+                async for reply in replies:
+                    yield reply
             return
         if handle.engine_id not in self.peers.address:
             if not request.prefill_address:
@@ -183,21 +185,19 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                       cache_salt=request.cache_salt or None)
 
         released = False
-        first = True
-        try:
-            async for out in self.aengine.generate(rid, add):
-                if not released:
-                    released = True  # the load is over, whatever its outcome
-                    self._release(handle.engine_id, rid)
-                yield await _reply(out, first, context)
-                first = False
-        except Overloaded as e:
-            await abort_overloaded(context, e)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        finally:
+
+        def release_once() -> None:  # the load is over, whatever its outcome, or never ran
+            nonlocal released
             if not released:
+                released = True
                 self._release(handle.engine_id, rid)
+
+        try:
+            async with aclosing(self._stream(rid, add, context, release_once)) as replies:
+                async for reply in replies:
+                    yield reply
+        finally:
+            release_once()
 
     async def _decode_local(self, request, context):
         """No KV handle: compute the prompt's KV here (no prefill worker could, or the
@@ -215,9 +215,17 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                   priority=request.priority,
                                   cache_salt=request.cache_salt or None)
 
+        async with aclosing(self._stream(rid, add, context)) as replies:
+            async for reply in replies:
+                yield reply
+
+    async def _stream(self, rid: str, add, context, on_output=None):
+        """The request's outputs as DecodeResponses; engine refusals as status codes."""
         first = True
         try:
             async for out in self.aengine.generate(rid, add):
+                if on_output is not None:
+                    on_output()
                 yield await _reply(out, first, context)
                 first = False
         except Overloaded as e:

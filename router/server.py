@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 
 import grpc
 
@@ -60,8 +61,10 @@ class RouterServicer(gen_grpc.GenerationServicer):
                                 f"{RETRY_AFTER_MS / 1000:.1f}s")
         self.inflight += 1
         try:
-            async for reply in self._generate(request, context):
-                yield reply
+            # aclosing: a client that leaves closes the inner generator now, not at GC.
+            async with aclosing(self._generate(request, context)) as replies:
+                async for reply in replies:
+                    yield reply
         finally:
             self.inflight -= 1
 
