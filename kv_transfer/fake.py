@@ -1,7 +1,6 @@
 """An in-memory connector for unit tests: peers are engines in the same process, found by
-engine id, and a load copies blocks at once (or after `delay_polls` polls, to hold a
-transfer in flight), or while `hold` is set. `fail` makes the next loads fail, to test the
-error paths."""
+engine id, and a load copies blocks when polled, unless `hold` keeps it in flight. `fail`
+makes the next loads fail, to test the error paths."""
 
 from __future__ import annotations
 
@@ -17,18 +16,16 @@ _lock = threading.Lock()
 
 
 class FakeConnector(KVSender, KVReceiver):
-    def __init__(self, engine_id: str, layout: KVLayout, kv_caches: list[torch.Tensor],
-                 delay_polls: int = 0):
+    def __init__(self, engine_id: str, layout: KVLayout, kv_caches: list[torch.Tensor]):
         self.engine_id = engine_id
         self.layout = layout
         self.kv_caches = kv_caches
         self.num_blocks = check_caches(layout, kv_caches)
-        self.delay_polls = delay_polls
         self.fail: str | None = None  # set to a reason to fail every load from now on
         self.hold = False  # while True, every load stays in flight
         self.blocks_loaded = 0
         self._peers: set[str] = set()
-        self._pending: dict[str, list] = {}
+        self._pending: dict[str, tuple[str, list[int], list[int]]] = {}
         with _lock:
             _registry[engine_id] = kv_caches
 
@@ -41,18 +38,16 @@ class FakeConnector(KVSender, KVReceiver):
 
     def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
-        self._pending[transfer_id] = [self.delay_polls, engine_id, list(remote_block_ids),
-                                      list(local_block_ids)]
+        self._pending[transfer_id] = (engine_id, list(remote_block_ids), list(local_block_ids))
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         entry = self._pending.get(transfer_id)
         if entry is None:
             return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
-        if entry[0] > 0 or self.hold:
-            entry[0] -= 1
+        if self.hold:
             return TransferState.TRANSFERRING, None
         del self._pending[transfer_id]
-        _, engine_id, remote, local = entry
+        engine_id, remote, local = entry
         if self.fail is not None:
             return TransferState.FAILED, self.fail
         with _lock:

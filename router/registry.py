@@ -29,7 +29,6 @@ class Worker:
     healthy: bool = False
     stats: wk.GetStatsResponse | None = None
     routed: int = 0  # requests sent since the last stats poll
-    inflight: int = 0
     pairs: dict[str, str | None] = field(default_factory=dict)  # prefill addr -> error
 
     @property

@@ -164,7 +164,6 @@ class RouterServicer(gen_grpc.GenerationServicer):
                 dreq, timeout=self._remaining(context))
             answered = False
             holds_lease = dreq.HasField("handle")
-            decode.inflight += 1
             try:
                 async for msg in call:
                     answered = True
@@ -194,7 +193,6 @@ class RouterServicer(gen_grpc.GenerationServicer):
                 del dreq.output_token_ids[:]
                 dreq.output_token_ids.extend(streamed)
             finally:
-                decode.inflight -= 1
                 call.cancel()  # a no-op when done; else the client left: end it on the worker
                 if not answered and holds_lease:
                     _release_soon(prefill, rid)
@@ -206,7 +204,6 @@ class RouterServicer(gen_grpc.GenerationServicer):
                                  sampling=request.sampling, priority=request.priority,
                                  cache_salt=request.cache_salt)
         for prefill in self.registry.prefills():
-            prefill.inflight += 1
             first = None
             try:
                 first = await wk_grpc.PrefillServiceStub(prefill.channel).Prefill(
@@ -219,7 +216,6 @@ class RouterServicer(gen_grpc.GenerationServicer):
                 log.warning("prefill worker %s failed (%s) on %s; trying the next",
                             prefill.address, e.code().name, rid)
             finally:
-                prefill.inflight -= 1
                 if first is None:  # failed or cancelled: a lease may exist that nobody knows
                     _release_soon(prefill, rid)
         return None, None

@@ -25,7 +25,10 @@ import grpc
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.bench.workloads import make_workload
+from services.engine.kv_layout import KVLayout
 from services.serving.launcher import spawn, stop_all, wait_healthy
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281}
@@ -50,7 +53,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def run_load(address: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                   block_bytes: int) -> Result:
+                   block_size: int = 16, block_bytes: int = 0) -> Result:
     res = Result()
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
@@ -79,7 +82,8 @@ async def run_load(address: str, prompts: list[list[int]], output_len: int, conc
                         res.prefill.append(t.prefill_s)
                         if t.kv_transfer_s > 0:
                             res.transfer.append(t.kv_transfer_s)
-                            blocks = -(-len(ids) // 16) - msg.usage.cached_tokens // 16
+                            blocks = (-(-len(ids) // block_size)
+                                      - msg.usage.cached_tokens // block_size)
                             res.kv_bytes.append(blocks * block_bytes)
                 res.tokens += n
 
@@ -113,17 +117,28 @@ def start(mode: str, threads: int, worker_threads: int, kv_gib: float) -> tuple[
         raise
 
 
-async def warm_up(address: str, vocab: int) -> None:
+async def warm_up(address: str) -> None:
     """Until the path works end to end (the router pairs workers on its first poll)."""
     deadline = time.monotonic() + 60
     while True:
         try:
-            await run_load(address, [[100 + i for i in range(40)]] * 2, 4, 2, 0)
+            await run_load(address, [[100 + i for i in range(40)]] * 2, 4, 2)
             return
         except grpc.aio.AioRpcError:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+def kv_shape(worker: str) -> tuple[int, int, int]:
+    """(vocab size, block size, bytes per block) as the serving worker reports them."""
+    with grpc.insecure_channel(worker) as channel:
+        st = wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest(), timeout=10)
+    lay = st.layout
+    layout = KVLayout(model=lay.model, dtype=lay.dtype, block_size=lay.block_size,
+                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      head_dim=lay.head_dim)
+    return st.model_info.vocab_size, layout.block_size, layout.block_bytes
 
 
 def summary(mode: str, c: int, r: Result) -> dict:
@@ -151,17 +166,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    wl = make_workload("w1", 49152)
-    block_bytes = 30 * 2 * 3 * 16 * 64 * 2  # SmolLM2-135M, bf16, block 16: layers*K|V*heads*bs*d
     rows = []
     for _ in range(args.rounds):
         for mode in args.modes:
             procs, address = start(mode, args.threads, args.worker_threads, args.kv_cache_gib)
             try:
-                asyncio.run(warm_up(address, 49152))
+                asyncio.run(warm_up(address))
+                worker = PORTS["decode" if mode == "disaggregated" else "colocated"]
+                vocab, block_size, block_bytes = kv_shape(f"127.0.0.1:{worker}")
+                wl = make_workload("w1", vocab)
                 for c in args.concurrency:
                     r = asyncio.run(run_load(address, wl.prompts, wl.output_len, c,
-                                             block_bytes))
+                                             block_size, block_bytes))
                     rows.append(summary(mode, c, r))
                     print(json.dumps(rows[-1]) if args.json else _line(rows[-1]), flush=True)
             finally:
