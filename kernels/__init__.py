@@ -4,10 +4,15 @@ Every backend offers the same two functions as `kernels.reference`, and is teste
 against it:
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_attention(query, key, value, key_cache, value_cache, meta, scale) -> output
+
+Backends: "flash-attn" (kernels/flash.py), "triton" (kernels/triton_attn.py), "torch"
+(kernels/cpu.py: torch ops, any device) and "reference" (slow, for tests).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from types import ModuleType
 
 import torch
@@ -15,17 +20,60 @@ import torch
 from kernels import cpu, reference
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "select_backend", "cpu", "reference"]
+__all__ = ["AttentionMetadata", "BACKENDS", "select_backend", "cpu", "reference"]
+BACKENDS = ("flash-attn", "triton", "torch", "reference")
+log = logging.getLogger(__name__)
 
 
-def select_backend(device: torch.device, name: str | None = None) -> ModuleType:
-    """The attention backend for a device: `name` forces one of "torch", "reference".
+def _flash(block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[ModuleType | None, str]:
+    try:
+        from kernels import flash
+    except ImportError as e:
+        return None, f"flash-attn does not import ({e})"
+    why = flash.unsupported(block_size, head_dim, dtype)
+    return (None, why) if why else (flash, f"flash-attn ({flash.BUILD})")
 
-    The torch SDPA path (`kernels.cpu`) is pure torch and runs on any device; faster GPU
-    backends (Triton, flash-attn) plug in here first when they exist.
+
+def _triton(device: torch.device) -> tuple[ModuleType | None, str]:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None, "Triton needs CUDA (or TRITON_INTERPRET=1 to interpret it on CPU)"
+    try:
+        from kernels import triton_attn
+    except ImportError as e:
+        return None, f"triton does not import ({e})"
+    return triton_attn, "triton"
+
+
+def select_backend(device: torch.device, name: str | None = None, *, block_size: int = 16,
+                   head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> ModuleType:
+    """The attention backend for a device and KV layout.
+
+    name None picks the best that works: on CUDA flash-attn, then Triton, then torch;
+    elsewhere torch. A name forces that backend, and raises ValueError, saying why, if it
+    cannot run here.
     """
     if name == "reference":
         return reference
-    if name not in (None, "torch"):
-        raise ValueError(f"unknown attention backend {name!r}")
+    if name == "torch":
+        return cpu
+    if name not in (None, "flash-attn", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    if name is None and device.type != "cuda":
+        return cpu
+    reasons = []
+    if name in (None, "flash-attn"):
+        backend, why = _flash(block_size, head_dim, dtype)
+        if backend is not None:
+            log.info("attention backend: %s", why)
+            return backend
+        reasons.append(why)
+    if name in (None, "triton"):
+        backend, why = _triton(device)
+        if backend is not None:
+            log.info("attention backend: triton (%s)", "; ".join(reasons) or "asked for")
+            return backend
+        reasons.append(why)
+    if name is not None:
+        raise ValueError(f"attention backend {name!r} cannot run here: {'; '.join(reasons)}")
+    log.warning("attention backend: torch (%s)", "; ".join(reasons))
     return cpu

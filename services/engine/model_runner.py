@@ -46,7 +46,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.backend = kernels.select_backend(self.device, config.attention_backend)
+        self.backend = kernels.select_backend(
+            self.device, config.attention_backend, block_size=config.block_size,
+            head_dim=model_config.head_dim, dtype=self.dtype)
         cls = MODELS.get(model_config.architecture)
         if cls is None:
             raise ValueError(f"unsupported architecture {model_config.architecture!r}; "

@@ -1,0 +1,76 @@
+"""flash-attn backend: FlashAttention-2's varlen kernel, reading K/V through block tables.
+
+Two builds are looked for, in this order:
+  * vLLM's fork, `vllm_flash_attn`: pages of any multiple of 16 tokens;
+  * upstream `flash_attn` >= 2.6 (`block_table=` support): pages a multiple of 256.
+`unsupported()` says why a build cannot serve a given layout; the backend is then not
+chosen (see kernels/__init__.py).
+
+flash-attn wants a paged cache as [num_blocks, block_size, kv_heads, head_dim]. Ours is
+[kv_heads, num_blocks, block_size, head_dim]; `permute(1, 2, 0, 3)` is a view of the same
+memory with the head stride moved, and flash-attn takes any strides so long as head_dim
+is contiguous. Nothing is copied.
+
+The cache write is the Triton one where Triton imports, else the torch one (both tested
+against the reference).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+try:  # vLLM's build first: small pages
+    from vllm_flash_attn import flash_attn_varlen_func as _varlen
+
+    BUILD, PAGE_MULTIPLE = "vllm_flash_attn", 16
+except ImportError:
+    from flash_attn import flash_attn_varlen_func as _varlen  # ImportError if absent
+
+    BUILD, PAGE_MULTIPLE = "flash_attn", 256
+    if "block_table" not in inspect.signature(_varlen).parameters:
+        raise ImportError("flash_attn older than 2.6 has no block_table (paged KV)")
+
+try:
+    from kernels.triton_attn import reshape_and_cache
+except ImportError:
+    from kernels.cpu import reshape_and_cache
+
+__all__ = ["BUILD", "paged_attention", "reshape_and_cache", "unsupported"]
+
+
+def unsupported(block_size: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why this build cannot run a layout, or None if it can."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{BUILD} runs fp16/bf16 only, not {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"{BUILD} needs head_dim a multiple of 8 and <= 256, not {head_dim}"
+    if block_size % PAGE_MULTIPLE:
+        return f"{BUILD} needs block_size a multiple of {PAGE_MULTIPLE}, not {block_size}"
+    return None
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached prefix and itself.
+
+    flash-attn aligns the causal mask to the bottom right: new token j of a request with
+    seq_len keys sees keys 0 .. seq_len - q_len + j, as our metadata means.
+    """
+    del key, value
+    k = key_cache.permute(1, 2, 0, 3)
+    v = value_cache.permute(1, 2, 0, 3)
+    common = dict(cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+                  max_seqlen_k=max(meta.max_seq_len, meta.decode_max_seq_len),
+                  softmax_scale=scale, causal=True, block_table=meta.block_tables)
+    if BUILD == "vllm_flash_attn":
+        return _varlen(query, k, v, seqused_k=meta.seq_lens, **common)
+    # Upstream counts keys per request by cumulative offsets; computed on the device, so
+    # this works inside a CUDA graph too.
+    cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return _varlen(query, k, v, cu_seqlens_k=cu_seqlens_k, **common)

@@ -1,0 +1,164 @@
+"""The Triton kernels against the pure-torch reference. Without CUDA they run under
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton loads)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.metadata import AttentionMetadata
+from tests.unit.test_kernels import _make_batch
+
+triton_attn = pytest.importorskip(
+    "kernels.triton_attn", reason="triton is not installed: the Triton kernels are untested")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1: Triton cannot run the kernels",
+                allow_module_level=True)
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return meta
+
+
+def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, prefills):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    q, k, v, kc, vc, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
+                                        dtype, decodes, prefills)
+    # Cache write: exact bytes, against the reference's write.
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    reference.reshape_and_cache(k, v, ref_kc, ref_vc, meta.slot_mapping)
+    dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
+    meta = _to(meta, DEVICE)
+    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
+                                  meta.slot_mapping)
+    assert torch.equal(dev_kc.cpu(), ref_kc) and torch.equal(dev_vc.cpu(), ref_vc)
+    # Attention: within the dtype's rounding of an fp32 reference on the same inputs.
+    scale = head_dim**-0.5
+    want = reference.paged_attention(q.float(), None, None, ref_kc.float(), ref_vc.float(),
+                                     meta, scale)
+    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("decodes,prefills", [(6, 0), (2, 3)])
+def test_gqa_decode_and_prefill_over_cached_prefix(dtype, head_dim, block_size, decodes,
+                                                   prefills):
+    """GQA (4 query heads per KV head); prefill chunks start after random cached prefixes,
+    some mid-block; decodes of random lengths."""
+    _check(hash((dtype, head_dim, block_size, decodes)) % 1000, block_size, 2, 4, head_dim,
+           dtype, decodes, prefills)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (1, 8), (4, 1)])
+def test_fp32_odd_groups_and_small_blocks(block_size, num_kv_heads, group):
+    """A group that is not a power of two (SmolLM2's 3), MQA, MHA; blocks smaller than a
+    key tile, so one tile spans several pages. fp32 is compared tightly."""
+    _check(block_size * 31 + group, block_size, num_kv_heads, group, 64, torch.float32, 3, 2)
+
+
+def test_head_dim_not_a_power_of_two():
+    _check(5, 16, 2, 2, 80, torch.float32, 2, 2)
+
+
+def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
+    """A CUDA-graph batch pads with rows of length 1 over the null block: they must read
+    and write only block 0, and real rows must be unaffected by the full table width."""
+    torch.manual_seed(0)
+    bs, kvh, group, d = 16, 3, 3, 64
+    kc = torch.randn(kvh, 32, bs, d)
+    vc = torch.randn_like(kc)
+    kc[:, 0] = 0
+    vc[:, 0] = 0
+    lens = [37, 5, 1, 1]  # two real decodes, two padding rows
+    table = torch.tensor([[3, 4, 5, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * 6, [0] * 6],
+                         dtype=torch.int32)
+    slots = torch.tensor([5 * bs + 4, 7 * bs + 4, 0, 0])
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(5, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, num_decodes=4,
+        query_start_loc_cpu=list(range(5)), seq_lens_cpu=lens, max_seq_len=6 * bs,
+        max_query_len=1, decode_max_seq_len=6 * bs,
+    )
+    q = torch.randn(4, kvh * group, d)
+    k, v = torch.randn(4, kvh, d), torch.randn(4, kvh, d)
+    k[2:], v[2:] = 0, 0
+    before = kc.clone()
+    dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
+    meta = _to(meta, DEVICE)
+    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
+                                  meta.slot_mapping)
+    changed = (dev_kc.cpu() != before).any(-1).any(0).nonzero().tolist()
+    assert changed == [[5, 4], [7, 4]]  # (block, offset) of the two real tokens only
+    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, 0.125)
+    want = reference.paged_attention(q, None, None, dev_kc.cpu(), dev_vc.cpu(), meta, 0.125)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_path):
+    """A 2-layer random Llama with SmolLM2's head shapes (64-dim heads, 3 query heads per
+    KV head) as an HF directory: the interpreter runs it in seconds, not minutes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.engine.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(model_path)
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=384, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                      initializer_range=0.2, eos_token_id=2, bos_token_id=1)
+    hf = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, hf
+
+
+def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, tiny_model):
+    """The whole model through the Triton kernels: chunked prefill over a cached prefix
+    (chunks of 24 tokens), mixed decode and prefill steps, then padded full-width decode
+    batches as a CUDA graph runs them. Same greedy tokens as HF and the torch backend."""
+    from services.engine import SamplingParams
+    from services.engine.cuda_graphs import CudaGraphRunner
+
+    path, hf = tiny_model
+    common = dict(model=str(path), dtype="float32", max_num_batched_tokens=24,
+                  max_num_seqs=4, device=DEVICE, kv_cache_gib=0.02)
+    base = make_llm(**common)
+    tri = make_llm(attention_backend="triton", **common)
+    assert tri.engine.runner.backend is triton_attn
+    shared = [(j * 7919) % 40000 + 100 for j in range(40)]
+    prompts = [shared + [101 + i] * (3 + 5 * i) for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                              min_new_tokens=8, do_sample=False, pad_token_id=0)
+        want.append(ref[0, len(prompt):].tolist())
+    assert [o.token_ids for o in base.generate(prompts, params)] == want
+    outs = tri.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert outs[2].num_cached_tokens == 32, "the last prompt was meant to hit the cache"
+    runner = tri.engine.runner
+    if runner.graphs is None:  # CPU: the graph runner's padded batches, run eagerly
+        runner.graphs = CudaGraphRunner(runner.model, runner.kv_caches, 4, 8, runner.device)
+    tri.reset_prefix_cache()
+    assert [o.token_ids for o in tri.generate(prompts, params)] == want
