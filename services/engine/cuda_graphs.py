@@ -79,13 +79,15 @@ class CudaGraphRunner:
         log.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            seq_lens: list[int], block_tables: torch.Tensor) -> torch.Tensor:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """One decode step of n requests. Inputs are host tensors (pinned on CUDA, so the
+        copies into the static buffers are asynchronous); returns hidden states [n, H]."""
         n = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slots, non_blocking=True)
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         self.block_tables[:n].zero_()
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         # Padding rows: token 0 at position 0, written to null-block slot 0, length 1.

@@ -20,7 +20,7 @@ from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
 from services.engine.models.llama import MODELS
 from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplingRow
+from services.engine.sampler import Sampler, SamplingRow, to_device
 from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -140,15 +140,22 @@ class ModelRunner:
                                         torch.tensor([n for _, n in entries]))
         slots = table[owner, pos // bs].long() * bs + pos % bs
         input_ids = torch.tensor(ids, dtype=torch.long)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        if dev.type == "cuda":  # pinned, so every copy below is asynchronous
+            table, pos, slots, input_ids, seq_lens_t = (
+                t.pin_memory() for t in (table, pos, slots, input_ids, seq_lens_t))
+        # Rows to sample, sent before the forward pass so nothing waits for it.
+        every_row = len(sample_rows) == len(ids)
+        rows_t = None if every_row else to_device(sample_rows, torch.long, dev)
 
         if (self.graphs is not None and num_decodes == len(entries)
                 and len(entries) <= self.graphs.max_batch):
-            hidden = self.graphs.run(input_ids, pos, slots, seq_lens, table)
+            hidden = self.graphs.run(input_ids, pos, slots, seq_lens_t, table)
         else:
             meta = AttentionMetadata(
                 slot_mapping=slots.to(dev, non_blocking=True),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                query_start_loc=to_device(qsl, torch.int32, dev),
+                seq_lens=seq_lens_t.to(dev, non_blocking=True),
                 block_tables=table.to(dev, non_blocking=True),
                 num_decodes=num_decodes,
                 query_start_loc_cpu=qsl,
@@ -164,7 +171,7 @@ class ModelRunner:
                                 pos.to(dev, non_blocking=True), self.kv_caches, meta)
         if not samplers:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = self.model.compute_logits(hidden if every_row else hidden[rows_t])
         rows = [SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids)
                 for r in samplers]
         out = self.sampler(logits, rows)

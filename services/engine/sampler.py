@@ -1,4 +1,10 @@
-"""Turn one step's logits into tokens: penalties, temperature, top-k/top-p/min-p, sampling."""
+"""Turn one step's logits into tokens: penalties, temperature, top-k/top-p/min-p, sampling.
+
+No host syncs: `Sampler.sample` reads no device value on the host (every decision it makes
+comes from the rows' parameters, which live on the host), and host data reaches the device
+only through pinned, non-blocking copies. The step's one device-to-host transfer is the
+`.tolist()` in `Sampler.__call__`, which the scheduler needs anyway.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +32,19 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # per row top-N (id, logprob); [] if unasked
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) on `device` without a sync: on CUDA it is staged in
+    pinned memory and copied asynchronously (a pageable copy would wait for the stream)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(s) for s in seqs), default=0)
-    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long,
-                        device=device).reshape(len(seqs), width)
+    rows = [s + [pad] * (width - len(s)) for s in seqs]
+    return to_device(rows, torch.long, device).reshape(len(seqs), width)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -44,7 +59,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                             for r, p in zip(rows, reps, strict=True)], v, dev)
         seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
         seen = seen.scatter(1, seen_tok, True)[:, :v]
-        rep = torch.tensor(reps, dtype=torch.float32, device=dev)[:, None]
+        rep = to_device(reps, torch.float32, dev)[:, None]
         # HF: a seen token's logit moves towards "less likely" whatever its sign.
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
     pres = [r.params.presence_penalty for r in rows]
@@ -55,8 +70,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         counts = torch.zeros(b, v + 1, dtype=torch.float32, device=dev)
         counts = counts.scatter_add(1, out_tok, torch.ones_like(out_tok, dtype=torch.float32))
         counts = counts[:, :v]
-        pres_t = torch.tensor(pres, dtype=torch.float32, device=dev)[:, None]
-        freq_t = torch.tensor(freq, dtype=torch.float32, device=dev)[:, None]
+        pres_t = to_device(pres, torch.float32, dev)[:, None]
+        freq_t = to_device(freq, torch.float32, dev)[:, None]
         # OpenAI: logit -= frequency * count + presence * (count > 0), output tokens only.
         out = out - freq_t * counts - pres_t * (counts > 0).float()
     return out
@@ -66,7 +81,7 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Temperature, then top-k, top-p, min-p; dropped tokens get -inf. Rows must not be greedy."""
     b, v = logits.shape
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temp = to_device([p.temperature for p in params], torch.float32, dev)
     out = logits / temp[:, None]
     use_k = any(p.top_k != -1 for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
@@ -74,21 +89,21 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         # One descending sort for the whole batch serves both filters.
         srt, idx = out.sort(dim=-1, descending=True)
         if use_k:
-            k = torch.tensor([p.top_k if p.top_k != -1 else v for p in params], device=dev)
+            k = to_device([p.top_k if p.top_k != -1 else v for p in params], torch.long, dev)
             srt = srt.masked_fill(torch.arange(v, device=dev)[None, :] >= k[:, None],
                                   float("-inf"))
         if use_p:
             # Keep the smallest prefix whose mass reaches top_p: a token stays iff the mass
             # strictly before it is < top_p (the first token always stays). top_p 1 -> inf,
             # so rounding in the cumulative sum can never drop a tail token.
-            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-                                 dtype=torch.float32, device=dev)
+            top_p = to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                              torch.float32, dev)
             probs = srt.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs
             srt = srt.masked_fill(before >= top_p[:, None], float("-inf"))
         out = torch.full_like(out, float("-inf")).scatter(1, idx, srt)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        min_p = to_device([p.min_p for p in params], torch.float32, dev)
         probs = out.softmax(dim=-1)
         # p_i < min_p * p_max; the ratio is the same before or after renormalizing.
         thresh = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -103,7 +118,7 @@ class Sampler:
     def _noise(self, rows: list[SamplingRow], v: int, device: torch.device) -> torch.Tensor:
         """Exponential(1) noise [len(rows), V]; a seeded row's draw uses only its generator."""
         # A generator can only fill a tensor on its own device, so a CPU generator with CUDA
-        # logits draws on CPU and the result is copied over (a host->device copy, no sync).
+        # logits draws on CPU and the result is copied over (pinned, asynchronous).
         shared = self.generator
         shared_dev = shared.device if shared is not None else device
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
@@ -116,28 +131,31 @@ class Sampler:
             if r.generator is not None:
                 g = r.generator
                 parts[i] = torch.empty(v, device=g.device).exponential_(generator=g)
-        q = torch.stack([p.to(device) for p in parts if p is not None])
+        q = torch.stack([p if p.device == device else to_device(p, p.dtype, device)
+                         for p in parts if p is not None])
         return q.clamp_min_(torch.finfo(torch.float32).tiny)  # a 0 draw would make 0/0
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """This step's tokens, on the logits' device, without reading any device value.
+
+        Without logprobs: token ids [B] (long). With them, one float64 tensor
+        [B, 2 + 2 * n_max]: token id, its logprob, the top n_max ids, their logprobs (ids
+        below 2**53 are exact in float64), so that one transfer brings everything over.
+        """
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         want_n = [r.params.logprobs for r in rows]
-        want_lp = any(n is not None for n in want_n)
         any_pen = any(r.params.has_penalties for r in rows)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if not random_idx and not any_pen and not want_lp:  # fast path: plain greedy decode
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
-
         b, v = logits.shape
         dev = logits.device
-        raw = logits.float()
+        raw = logits.float() if random_idx or any_pen else logits
         scores = apply_penalties(raw, rows) if any_pen else raw
         if len(random_idx) == b:
             sampled = torch.empty(b, dtype=torch.long, device=dev)
         else:
             sampled = scores.argmax(dim=-1)  # greedy rows use no generator state
         if random_idx:
-            sel = torch.tensor(random_idx, dtype=torch.long, device=dev)
+            sel = to_device(random_idx, torch.long, dev)
             sub_rows = [rows[i] for i in random_idx]
             sub = scores if len(random_idx) == b else scores.index_select(0, sel)
             probs = apply_filters(sub, [r.params for r in sub_rows]).softmax(dim=-1)
@@ -146,17 +164,20 @@ class Sampler:
             # probability p_i / sum p). Filtered tokens have p = 0 and can never win.
             tok = (probs / self._noise(sub_rows, v, dev)).argmax(dim=-1)
             sampled = sampled.index_copy(0, sel, tok)
-
-        if not want_lp:
-            return SamplerOutput(sampled.tolist(), None, None)
-        logp = torch.log_softmax(raw, dim=-1)  # raw model distribution, as vLLM reports
+        if all(n is None for n in want_n):
+            return sampled
+        logp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution
         n_max = max(n for n in want_n if n is not None)
         top_v, top_i = logp.topk(n_max, dim=-1)
-        # Pack everything into one float64 tensor so that there is a single device->host
-        # transfer; token ids (< 2**53) are exact in float64.
-        packed = torch.cat([sampled[:, None].double(), logp.gather(1, sampled[:, None]).double(),
-                            top_i.double(), top_v.double()], dim=1).tolist()
-        token_ids = [int(r[0]) for r in packed]
+        return torch.cat([sampled[:, None].double(), logp.gather(1, sampled[:, None]).double(),
+                          top_i.double(), top_v.double()], dim=1)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        host = self.sample(logits, rows).tolist()  # the step's one device->host transfer
+        want_n = [r.params.logprobs for r in rows]
+        if all(n is None for n in want_n):
+            return SamplerOutput(host, None, None)
+        n_max = max(n for n in want_n if n is not None)
         top = [[(int(r[2 + j]), r[2 + n_max + j]) for j in range(n or 0)]
-               for r, n in zip(packed, want_n, strict=True)]
-        return SamplerOutput(token_ids, [r[1] for r in packed], top)
+               for r, n in zip(host, want_n, strict=True)]
+        return SamplerOutput([int(r[0]) for r in host], [r[1] for r in host], top)

@@ -262,3 +262,33 @@ def test_cuda_matches_cpu_with_cpu_generators():
     cuda = Sampler()(logits.cuda(), rows())
     assert cuda.token_ids == cpu.token_ids
     assert cuda.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+
+
+def _mixed_rows():
+    return [row(temperature=0.0), row(seed=5, temperature=0.9, top_p=0.8, min_p=0.05),
+            row(temperature=0.7, top_k=20, logprobs=3),
+            row(seed=8, temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5,
+                frequency_penalty=0.3, prompt=[1, 2], output=[3, 4, 4])]
+
+
+def test_sample_reads_no_device_value():
+    """`Sampler.sample` must not read device values on the host: on CUDA that is a sync
+    that stalls the step. Meta tensors have no values, so any such read raises here."""
+    logits = torch.empty(4, 1000, device="meta")
+    packed = Sampler(None).sample(logits, _mixed_rows())
+    assert packed.device.type == "meta" and packed.shape == (4, 2 + 2 * 3)
+    greedy = Sampler(None).sample(logits, [row(temperature=0.0)] * 4)
+    assert greedy.shape == (4,) and greedy.dtype == torch.long
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: CUDA's sync debug mode needs one")
+def test_sample_makes_no_cuda_sync():
+    logits = torch.randn(4, 1000, device="cuda")
+    sampler = Sampler(torch.Generator(device="cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.sample(logits, _mixed_rows())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
