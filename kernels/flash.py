@@ -24,16 +24,23 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
-try:  # vLLM's build first: small pages
-    from vllm_flash_attn import flash_attn_varlen_func as _varlen
 
-    BUILD, PAGE_MULTIPLE = "vllm_flash_attn", 16
-except ImportError:
-    from flash_attn import flash_attn_varlen_func as _varlen  # ImportError if absent
+def _load():
+    """(varlen function, build name, page multiple); ImportError if no usable build."""
+    try:  # vLLM's build first: small pages
+        from vllm_flash_attn import flash_attn_varlen_func
 
-    BUILD, PAGE_MULTIPLE = "flash_attn", 256
-    if "block_table" not in inspect.signature(_varlen).parameters:
+        return flash_attn_varlen_func, "vllm_flash_attn", 16
+    except ImportError:
+        pass
+    from flash_attn import flash_attn_varlen_func
+
+    if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
         raise ImportError("flash_attn older than 2.6 has no block_table (paged KV)")
+    return flash_attn_varlen_func, "flash_attn", 256
+
+
+_varlen, BUILD, PAGE_MULTIPLE = _load()
 
 try:
     from kernels.triton_attn import reshape_and_cache

@@ -31,7 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # None: the best for the platform (kernels/)
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
     kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
 
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', got "
                              f"{self.kv_load_failure_policy!r}")

@@ -33,7 +33,7 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_name = path.name  # the file or directory name: the same on every host
         self.tokenizer = load_tokenizer(path)
-        model_config, weights = load_checkpoint(path)
+        model_config, weights = load_checkpoint(path, config.load_format, config.seed)
         self.model_config = model_config
         limit = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:

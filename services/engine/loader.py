@@ -104,9 +104,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+    config = hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in model directory {str(path)!r}")
@@ -123,5 +122,48 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
     return config, weights()
 
 
-def load_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def hf_dir_config(path: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+
+
+def dummy_weights(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights under the checkpoint's names and shapes (vLLM's `--load-format
+    dummy`): for measuring a model's shapes without its checkpoint, never its outputs.
+    Matrices ~ N(0, 0.02^2), norms 1, biases 0; the same seed gives the same weights."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.empty(rows, cols).normal_(0.0, 0.02, generator=g)
+
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    yield "model.embed_tokens.weight", mat(c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", torch.ones(c.hidden_size)
+        yield p + "post_attention_layernorm.weight", torch.ones(c.hidden_size)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield p + f"self_attn.{name}.weight", mat(rows, c.hidden_size)
+            if c.attention_bias:
+                yield p + f"self_attn.{name}.bias", torch.zeros(rows)
+        yield p + "self_attn.o_proj.weight", mat(c.hidden_size, q)
+        yield p + "mlp.gate_proj.weight", mat(c.intermediate_size, c.hidden_size)
+        yield p + "mlp.up_proj.weight", mat(c.intermediate_size, c.hidden_size)
+        yield p + "mlp.down_proj.weight", mat(c.hidden_size, c.intermediate_size)
+    yield "model.norm.weight", torch.ones(c.hidden_size)
+    if not c.tie_word_embeddings:
+        yield "lm_head.weight", mat(c.vocab_size, c.hidden_size)
+
+
+def load_checkpoint(path: Path, load_format: str = "auto", seed: int = 0,
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """(config, HF-named weights). load_format "dummy": the config only (an HF directory's
+    config.json), with random weights."""
+    if load_format == "dummy":
+        if path.suffix == ".gguf":
+            config, _ = load_gguf(path)
+        else:
+            config = hf_dir_config(path)
+        return config, dummy_weights(config, seed)
     return load_gguf(path) if path.suffix == ".gguf" else load_hf_dir(path)

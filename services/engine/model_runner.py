@@ -21,6 +21,7 @@ from services.engine.model_config import ModelConfig
 from services.engine.models.llama import MODELS
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow, to_device
+from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return int(self.config.kv_cache_gib * (1 << 30)) // per_block
         # GPU: run the largest batch once without a cache to find peak activation memory,
-        # then give the KV cache what is left of gpu_memory_utilization * total.
+        # and sample max_num_seqs rows (the sort of top-p is the sampler's largest
+        # temporary). The KV cache gets what is left of gpu_memory_utilization * total
+        # after that peak, and after memory torch does not own (the CUDA context, cuBLAS
+        # workspaces, other processes on the device).
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
@@ -80,13 +84,20 @@ class ModelRunner:
         with torch.inference_mode():
             # Positions wrap at the RoPE table's length (max_model_len may be < n).
             positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
-            self.model.compute_logits(self.model(ids, positions, dummy, meta))
+            hidden = self.model(ids, positions, dummy, meta)
+            rows = min(n, self.config.max_num_seqs)
+            logits = self.model.compute_logits(hidden[:rows])
+            params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+            self.sampler.sample(logits, [SamplingRow(params, None, [], [])] * rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        del dummy
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - not_torch
+        del dummy, hidden, logits
         torch.cuda.empty_cache()
+        log.info("KV budget: %.2f GiB of %.2f GiB (peak %.2f GiB in torch, %.2f GiB outside)",
+                 budget / 2**30, total / 2**30, peak / 2**30, not_torch / 2**30)
         return max(0, budget // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

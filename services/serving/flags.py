@@ -23,5 +23,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=env("BATON_MAX_QUEUE"),
                         help="requests that may wait; past it, RESOURCE_EXHAUSTED at once "
                         "(default: 4 x max-num-seqs)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=float(env("BATON_GPU_MEMORY_UTILIZATION", "0.9")),
+                        help="CUDA: share of device memory for weights, activations and KV")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        default=env("BATON_ENFORCE_EAGER", "") not in ("", "0", "false"),
+                        help="CUDA: no CUDA graphs for decode steps")
+    parser.add_argument("--attention-backend", default=env("BATON_ATTENTION_BACKEND"),
+                        choices=["flash-attn", "triton", "torch"],
+                        help="default: the best that runs (CUDA: flash-attn, Triton, torch)")
+    parser.add_argument("--load-format", default=env("BATON_LOAD_FORMAT", "auto"),
+                        choices=["auto", "dummy"],
+                        help="dummy: random weights of the model's shapes, for benchmarks")
     parser.add_argument("--threads", type=int, default=env("BATON_THREADS"),
                         help="torch intra-op threads (default: torch's choice)")

@@ -37,6 +37,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=int(args.max_model_len) if args.max_model_len else None,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager,
+                        attention_backend=args.attention_backend,
+                        load_format=args.load_format,
                         kv_lease_timeout_s=getattr(args, "kv_lease_timeout", 30.0),
                         kv_load_failure_policy=getattr(args, "kv_load_failure_policy",
                                                        "recompute"))

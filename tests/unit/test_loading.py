@@ -84,3 +84,24 @@ def test_a_missing_part_of_a_fused_weight_is_an_error(model_path):
     partial = ((n, w) for n, w in weights if n != "model.layers.3.self_attn.k_proj.weight")
     with pytest.raises(ValueError, match="layers.3.self_attn.qkv_weight"):
         model.load_weights(partial)
+
+
+def test_dummy_load_format_fills_every_weight_from_a_config_alone(tmp_path, llm):
+    """--load-format dummy: a directory with only config.json and a tokenizer serves, every
+    parameter is filled (load_weights raises on any gap), and the seed fixes the weights."""
+    cfg = LlamaConfig(vocab_size=llm.tokenizer.vocab_size, hidden_size=128,
+                      intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    llm.tokenizer.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    make = lambda seed: LLM(model=str(tmp_path), load_format="dummy", seed=seed,  # noqa: E731
+                            dtype="float32", kv_cache_gib=0.01)
+    a, b, c = make(3), make(3), make(4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = [m.generate([[5, 900, 17]], params)[0].token_ids for m in (a, b)]
+    assert len(outs[0]) == 6 and outs[0] == outs[1]
+    wa, wc = (m.engine.runner.model.layers[2].mlp.down_weight for m in (a, c))
+    assert wa.shape == (128, 256) and not torch.equal(wa, wc)
+    assert 0.015 < wa.std().item() < 0.025
