@@ -31,6 +31,8 @@ def make_llm(model_path):
     """Build an LLM over the default model; kwargs are EngineConfig fields."""
     def make(**kwargs) -> LLM:
         kwargs.setdefault("kv_cache_gib", 0.25)
+        # On a GPU each engine would take 90% of it; the session keeps several alive.
+        kwargs.setdefault("gpu_memory_utilization", 0.03)
         llm = LLM(**kwargs)
         _ENGINES.append(llm)
         return llm

@@ -91,7 +91,7 @@ def run_hf(hf, wl: Workload, batch_size: int = 16) -> float:
         return ids, mask
 
     def generate(prompts: list[list[int]], n: int) -> int:
-        ids, mask = batch(prompts)
+        ids, mask = (t.to(hf.device) for t in batch(prompts))
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=pad)

@@ -54,10 +54,14 @@ class ModelRunner:
         if cls is None:
             raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
                              f"supported: {sorted(MODELS)}")
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
         self.model.load_weights(weights)
         self.model.prepack_weights()
         self.model.eval()
+        # This engine's weights on the device (other engines in the process not counted).
+        self.weight_bytes = torch.cuda.memory_allocated(self.device) - before if cuda else 0
         gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
         self.kv_caches: list[torch.Tensor] = []
@@ -68,12 +72,15 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.mc, self.block_size, self.dtype)
         if self.device.type != "cuda":
             return int(self.config.kv_cache_gib * (1 << 30)) // per_block
-        # GPU: run the largest batch once without a cache to find peak activation memory,
-        # and sample max_num_seqs rows (the sort of top-p is the sampler's largest
-        # temporary). The KV cache gets what is left of gpu_memory_utilization * total
-        # after that peak, and after memory torch does not own (the CUDA context, cuBLAS
-        # workspaces, other processes on the device).
+        # GPU: run the largest batch once without a cache, and sample max_num_seqs rows
+        # (top-p's sort is the sampler's largest temporary), to find this engine's peak
+        # activation memory. Then, as vLLM reads gpu_memory_utilization (this engine's
+        # share of the device):
+        #     KV = total * utilization - (weights + peak activations) - memory outside
+        #          torch (CUDA context, cuBLAS workspaces, other processes)
+        # and never more than can still be allocated, leaving room for the activations.
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         dummy = [torch.zeros(2, self.mc.num_kv_heads, 1, self.block_size, self.mc.head_dim,
@@ -90,14 +97,19 @@ class ModelRunner:
             params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
             self.sampler.sample(logits, [SamplingRow(params, None, [], [])] * rows)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        not_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak - not_torch
+        activations = torch.cuda.max_memory_allocated(self.device) - base
         del dummy, hidden, logits
         torch.cuda.empty_cache()
-        log.info("KV budget: %.2f GiB of %.2f GiB (peak %.2f GiB in torch, %.2f GiB outside)",
-                 budget / 2**30, total / 2**30, peak / 2**30, not_torch / 2**30)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        outside = (total - free) - reserved
+        own = self.weight_bytes + activations
+        budget = int(total * self.config.gpu_memory_utilization) - own - outside
+        allocatable = free + reserved - torch.cuda.memory_allocated(self.device)
+        budget = min(budget, allocatable - activations)
+        log.info("KV budget %.2f GiB of %.2f GiB: weights %.2f, activations %.2f, outside "
+                 "torch %.2f GiB", budget / 2**30, total / 2**30, self.weight_bytes / 2**30,
+                 activations / 2**30, outside / 2**30)
         return max(0, budget // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

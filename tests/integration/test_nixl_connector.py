@@ -1,15 +1,17 @@
 """NixlConnector between two real processes: NIXL over UCX, DRAM to DRAM on one host.
 
-A spawned sender process owns random KV tensors and hands its metadata and the raw bytes
-of its tensors back over a pipe; the receiver (this process) has a different block count,
-pulls scattered blocks into other block ids, and must get exactly the sender's bytes there
-and nothing anywhere else.
+The tensors live on BATON_TEST_KV_DEVICE (default cpu; "cuda" registers VRAM, as the GPU
+check runs it). A spawned sender process owns random KV tensors and hands its metadata
+and the raw bytes of its tensors back over a pipe; the receiver (this process) has a
+different block count, pulls scattered blocks into other block ids, and must get exactly
+the sender's bytes there and nothing anywhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -29,6 +31,7 @@ RECEIVER_BLOCKS = 13
 REMOTE_IDS = [7, 2, 5]  # unordered, not contiguous
 LOCAL_IDS = [1, 12, 4]
 TIMEOUT_S = 10.0
+DEVICE = os.environ.get("BATON_TEST_KV_DEVICE", "cpu")
 
 
 def _layout(dtype: str = "bfloat16", block_size: int = 16) -> KVLayout:
@@ -40,13 +43,13 @@ def _caches(layout: KVLayout, num_blocks: int, random: bool) -> list[torch.Tenso
     shape = (2, layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
     dtype = getattr(torch, layout.dtype)
     if random:
-        return [torch.randn(shape).to(dtype) for _ in range(layout.num_layers)]
-    return [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        return [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(layout.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(layout.num_layers)]
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     """The tensor's bytes, shaped [2, kv_heads, num_blocks, -1]: block b is [:, :, b]."""
-    return t.view(torch.uint8).reshape(*t.shape[:3], -1).numpy()
+    return t.cpu().view(torch.uint8).reshape(*t.shape[:3], -1).numpy()
 
 
 def _sender_main(conn, engine_id: str, layout: KVLayout, num_blocks: int, seed: int) -> None:

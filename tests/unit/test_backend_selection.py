@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from kernels import cpu, reference
-from tests.unit.test_kernels import _make_batch
+from tests.kernel_batch import make_batch as _make_batch
 
 CUDA = torch.device("cuda")  # only a device object: select_backend does not touch it
 

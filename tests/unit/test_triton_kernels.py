@@ -11,7 +11,7 @@ import torch
 
 from kernels import reference
 from kernels.metadata import AttentionMetadata
-from tests.unit.test_kernels import _make_batch
+from tests.kernel_batch import make_batch as _make_batch
 
 triton_attn = pytest.importorskip(
     "kernels.triton_attn", reason="triton is not installed: the Triton kernels are untested")
