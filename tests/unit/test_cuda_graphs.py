@@ -48,10 +48,22 @@ def test_padded_full_width_decode_equals_plain_decode(llm):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device: CUDA graph capture and replay need a GPU")
 def test_cuda_graphs_equal_eager_on_gpu(make_llm):
+    """Captured at start-up for every bucket, into one memory pool; replayed for every
+    decode step (6 requests pad to the graph of 8); same tokens as eager."""
     eager = make_llm(dtype="float32", enforce_eager=True, max_num_seqs=8)
     graphed = make_llm(dtype="float32", enforce_eager=False, max_num_seqs=8)
-    assert graphed.engine.runner.graphs is not None
+    assert eager.engine.runner.graphs is None, "enforce_eager must turn graphs off"
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == graphs.buckets == [1, 2, 4, 8]
+    assert graphs.pool is not None
+    used = []
+    original = graphs.run
+    graphs.run = lambda *a: used.append(a[0].shape[0]) or original(*a)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = _prompts(eager, 6)
-    assert ([o.token_ids for o in graphed.generate(prompts, params)]
-            == [o.token_ids for o in eager.generate(prompts, params)])
+    try:
+        got = [o.token_ids for o in graphed.generate(prompts, params)]
+    finally:
+        graphs.run = original
+    assert used and max(used) == 6
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
