@@ -1,8 +1,10 @@
 """flash-attn backend: FlashAttention-2's varlen kernel, reading K/V through block tables.
 
 Two builds are looked for, in this order:
-  * vLLM's fork, `vllm_flash_attn`: pages of any multiple of 16 tokens;
-  * upstream `flash_attn` >= 2.6 (`block_table=` support): pages a multiple of 256.
+  * vLLM's fork (`vllm.vllm_flash_attn`, or standalone `vllm_flash_attn`): pages of any
+    multiple of 16 tokens;
+  * upstream `flash_attn` >= 2.6 (`block_table=` support): pages a multiple of 256
+    (`--block-size 256`).
 `unsupported()` says why a build cannot serve a given layout; the backend is then not
 chosen (see kernels/__init__.py).
 
@@ -17,6 +19,7 @@ against the reference).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import torch
@@ -27,12 +30,13 @@ from kernels.metadata import AttentionMetadata
 
 def _load():
     """(varlen function, build name, page multiple); ImportError if no usable build."""
-    try:  # vLLM's build first: small pages
-        from vllm_flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func, "vllm_flash_attn", 16
-    except ImportError:
-        pass
+    for module in ("vllm.vllm_flash_attn", "vllm_flash_attn"):  # vLLM's build: small pages
+        try:
+            fn = importlib.import_module(module).flash_attn_varlen_func
+        except (ImportError, AttributeError):
+            continue
+        if "seqused_k" in inspect.signature(fn).parameters:
+            return fn, "vllm_flash_attn", 16
     from flash_attn import flash_attn_varlen_func
 
     if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:

@@ -48,15 +48,15 @@ def paged_attention(
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
-        positions = torch.arange(seq_len)
-        blocks = meta.block_tables[i].cpu().long()[positions // block_size]
+        positions = torch.arange(seq_len, device=key_cache.device)
+        blocks = meta.block_tables[i].to(key_cache.device).long()[positions // block_size]
         k = key_cache[:, blocks, positions % block_size].float()  # [kv_heads, seq_len, d]
         v = value_cache[:, blocks, positions % block_size].float()
         k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)
         q = query[start:end].float()
         scores = torch.einsum("qhd,hkd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=key_cache.device)
         allowed = positions[None, :] <= q_pos[:, None]  # [q, k]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -4,7 +4,8 @@ chunks alike (a decode is a chunk of one new token). Cache layout: see kernels/r
 On CPU these run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported); that is how CI tests them.
 
-Attention grid: (request, tile of BLOCK_Q new tokens, KV head). One program serves the
+Attention grid: (tile of BLOCK_Q new tokens, request, KV head); the tiles go first, as
+only the first grid axis may exceed 65,535. One program serves the
 GROUP query heads that read the same KV head, so each K/V tile is loaded once for all of
 them. Its rows are (token, head) pairs, token-major:
 
@@ -21,6 +22,7 @@ output, rescaled by exp(m_old - m_new) whenever the max grows.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -32,6 +34,11 @@ from kernels.metadata import AttentionMetadata
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @triton.jit
 def _cache_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                         num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -41,7 +48,7 @@ def _cache_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot
     # One program per (BLOCK_T tokens, KV head): token t's head_dim row of K (and V) goes
     # to cache[h, slot // BLOCK_SIZE, slot % BLOCK_SIZE].
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # offsets into a large cache overflow int32
     t_ok = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=t_ok, other=0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -63,13 +70,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and key_cache.stride(-1) == 1
     assert key_cache.stride() == value_cache.stride()
     block_t = 16
-    _cache_write_kernel[(triton.cdiv(num_tokens, block_t), kv_heads)](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        BLOCK_T=block_t, BLOCK_SIZE=key_cache.shape[2], HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-    )
+    with _on(key.device):
+        _cache_write_kernel[(triton.cdiv(num_tokens, block_t), kv_heads)](
+            key, value, key_cache, value_cache, slot_mapping, num_tokens,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            BLOCK_T=block_t, BLOCK_SIZE=key_cache.shape[2], HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        )
 
 
 @triton.jit
@@ -82,8 +90,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = tl.program_id(0)
+    req = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -161,20 +169,21 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     block_q, tile_n = _tiles(group_pad, meta.max_query_len)
-    grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), kv_heads)
-    _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        meta.block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, TILE_N=tile_n,
-        BLOCK_SIZE=key_cache.shape[2], HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        # fp32 models get full fp32 dot products, not TF32.
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        # The interpreter multiplies bf16 as raw uint16 bits: it gets fp32 operands (the
-        # same products a GPU forms from bf16, which are exact in fp32).
-        UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
-    )
+    grid = (triton.cdiv(meta.max_query_len, block_q), meta.num_seqs, kv_heads)
+    with _on(query.device):
+        _paged_attention_kernel[grid](
+            out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            meta.block_tables.stride(0),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, TILE_N=tile_n,
+            BLOCK_SIZE=key_cache.shape[2], HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            # fp32 models get full fp32 dot products, not TF32.
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            # The interpreter multiplies bf16 as raw uint16 bits: it gets fp32 operands (the
+            # same products a GPU forms from bf16, which are exact in fp32).
+            UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
+        )
     return out

@@ -56,6 +56,9 @@ class ModelRunner:
                              f"supported: {sorted(MODELS)}")
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        # Device memory outside this process's torch now: other processes and engines' own
+        # CUDA contexts; what grows beyond it later is this engine's (see profile).
+        self.outside_at_start = _outside_torch(self.device) if cuda else 0
         self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
         self.model.load_weights(weights)
         self.model.prepack_weights()
@@ -75,10 +78,11 @@ class ModelRunner:
         # GPU: run the largest batch once without a cache, and sample max_num_seqs rows
         # (top-p's sort is the sampler's largest temporary), to find this engine's peak
         # activation memory. Then, as vLLM reads gpu_memory_utilization (this engine's
-        # share of the device):
-        #     KV = total * utilization - (weights + peak activations) - memory outside
-        #          torch (CUDA context, cuBLAS workspaces, other processes)
-        # and never more than can still be allocated, leaving room for the activations.
+        # share of the device, whatever else runs on it):
+        #     KV = total * utilization - weights - peak activations - what memory outside
+        #          torch grew by since this engine started (cuBLAS workspaces, ...)
+        # and never more than can still be allocated, less room for the activations and
+        # the CUDA graphs' pool (no larger than the activations: batches <= the profile's).
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -102,13 +106,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        outside = (total - free) - reserved
+        outside = max(0, _outside_torch(self.device) - self.outside_at_start)
         own = self.weight_bytes + activations
         budget = int(total * self.config.gpu_memory_utilization) - own - outside
         allocatable = free + reserved - torch.cuda.memory_allocated(self.device)
-        budget = min(budget, allocatable - activations)
-        log.info("KV budget %.2f GiB of %.2f GiB: weights %.2f, activations %.2f, outside "
-                 "torch %.2f GiB", budget / 2**30, total / 2**30, self.weight_bytes / 2**30,
+        budget = min(budget, allocatable - 2 * activations)
+        log.info("KV budget %.2f GiB of %.2f GiB: weights %.2f, activations %.2f, new "
+                 "outside torch %.2f GiB", budget / 2**30, total / 2**30, self.weight_bytes / 2**30,
                  activations / 2**30, outside / 2**30)
         return max(0, budget // per_block)
 
@@ -218,6 +222,12 @@ def _shared_prefill_blocks(entries, num_decodes: int, table: torch.Tensor,
         return 0
     prefix_lens = [entries[i][0].num_computed_tokens for i in rows]
     return count_shared_blocks(table[rows], prefix_lens, block_size)
+
+
+def _outside_torch(device: torch.device) -> int:
+    """Bytes in use on the device that this process's torch allocator does not hold."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) - torch.cuda.memory_reserved(device)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -83,6 +83,11 @@ def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch)
     monkeypatch.delitem(sys.modules, "kernels.flash", raising=False)
     triton_attn = sys.modules["kernels.triton_attn"]
     assert kernels.select_backend(CUDA) is triton_attn  # no flash-attn: Triton
+    old_fork = types.ModuleType("vllm_flash_attn")  # a 2.5-era build: no seqused_k
+    old_fork.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, block_table=None: q
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", old_fork)
+    assert kernels.select_backend(CUDA) is triton_attn
+    monkeypatch.delitem(sys.modules, "kernels.flash", raising=False)
     flash = fake_flash("vllm_flash_attn")
     assert kernels.select_backend(CUDA, block_size=16) is flash
     # fp32 is not a flash-attn dtype: Triton, which runs it.
