@@ -309,19 +309,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; CPU is fine")
     args = ap.parse_args()
+    smoke = args.smoke
     logging.basicConfig(level=logging.WARNING)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
+    if device == "cpu" and not smoke:
         raise SystemExit("no CUDA device: run with --smoke to check the script on CPU")
     if device == "cpu":  # Triton's kernels through its interpreter (before it loads)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
-    tmp = Path(tempfile.mkdtemp(prefix="baton-gpu-check-"))
-    small = dict(SMOLLM2_SHAPES, num_hidden_layers=2) if args.smoke else SMOLLM2_SHAPES
+    with tempfile.TemporaryDirectory(prefix="baton-gpu-check-") as tmp:
+        run_sections(Path(tmp), smoke, device)
+
+
+def run_sections(tmp: Path, smoke: bool, device: str) -> None:
+    small = dict(SMOLLM2_SHAPES, num_hidden_layers=2) if smoke else SMOLLM2_SHAPES
     big = dict(LLAMA_1B_SHAPES, num_hidden_layers=2, hidden_size=256,
                intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-               head_dim=32, vocab_size=1000) if args.smoke else LLAMA_1B_SHAPES
+               head_dim=32, vocab_size=1000) if smoke else LLAMA_1B_SHAPES
     model = label = hf = None
 
     def section(title, fn, *a, **kw):
@@ -335,24 +340,24 @@ def main() -> None:
 
     def load_default():
         nonlocal model, label, hf
-        model, label, hf = default_model(tmp, small, args.smoke)
+        model, label, hf = default_model(tmp, small, smoke)
         print(f"default model: {label}")
 
     section("attention kernels vs the fp32 torch reference (max abs error)",
-            kernel_errors, device, args.smoke)
+            kernel_errors, device, smoke)
     section("default model", load_default)
     if model is None:
         return
     section("greedy output: CUDA graphs vs eager vs HF transformers", greedy_equality,
-            model, label, hf, args.smoke)
+            model, label, hf, smoke)
     section("decode step time, with and without CUDA graphs", decode_step_times, model,
-            args.smoke)
-    section("W1 throughput", w1_throughput, model, label, args.smoke, hf=hf)
+            smoke)
+    section("W1 throughput", w1_throughput, model, label, smoke, hf=hf)
     del hf
     free_memory()
     llama_dir(tmp / "llama-1b", big, with_weights=False)
     section("W1 throughput, 1B-class (Llama-3.2-1B shapes, random weights)", w1_throughput,
-            str(tmp / "llama-1b"), "Llama-1B shapes", args.smoke, "dummy")
+            str(tmp / "llama-1b"), "Llama-1B shapes", smoke, "dummy")
 
 
 if __name__ == "__main__":
