@@ -15,7 +15,7 @@ block_tables[i] lists request i's blocks, padded with the null block 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,3 +58,10 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """A copy whose tensors are on `device` (host copies stay as they are)."""
+        return replace(self, slot_mapping=self.slot_mapping.to(device),
+                       query_start_loc=self.query_start_loc.to(device),
+                       seq_lens=self.seq_lens.to(device),
+                       block_tables=self.block_tables.to(device))

@@ -146,8 +146,7 @@ def kernel_errors(device: str, smoke: bool) -> None:
                                                    head_dim, dtype, decodes, prefills,
                                                    num_blocks=2048, **long)
                 q, k, v, kc, vc = (t.to(device) for t in (q, k, v, kc, vc))
-                for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-                    setattr(meta, name, getattr(meta, name).to(device))
+                meta = meta.to(device)
                 want_kc, want_vc = kc.clone(), vc.clone()
                 kernels.cpu.reshape_and_cache(k, v, want_kc, want_vc, meta.slot_mapping)
                 want = reference.paged_attention(q.float(), None, None, want_kc.float(),
@@ -178,9 +177,7 @@ def decode_kernel_times(backends: dict) -> None:
     rng = random.Random(0)
     q, k, v, kc, vc, meta = make_batch(rng, 16, 8, 4, 128, torch.bfloat16, 64, 0,
                                        max_prefix=1024, num_blocks=8192)
-    q, kc, vc = q.cuda(), kc.cuda(), vc.cuda()
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).cuda())
+    q, kc, vc, meta = q.cuda(), kc.cuda(), vc.cuda(), meta.to("cuda")
     line = []
     for name, backend in backends.items():
         if name == "flash-attn" and backend.unsupported(16, 128, torch.bfloat16):

@@ -23,12 +23,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).to(device))
-    return meta
-
-
 def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, prefills):
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -38,7 +32,7 @@ def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, pref
     ref_kc, ref_vc = kc.clone(), vc.clone()
     reference.reshape_and_cache(k, v, ref_kc, ref_vc, meta.slot_mapping)
     dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
-    meta = _to(meta, DEVICE)
+    meta = meta.to(DEVICE)
     triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
                                   meta.slot_mapping)
     assert torch.equal(dev_kc.cpu(), ref_kc) and torch.equal(dev_vc.cpu(), ref_vc)
@@ -99,7 +93,7 @@ def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
     k[2:], v[2:] = 0, 0
     before = kc.clone()
     dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
-    meta = _to(meta, DEVICE)
+    meta = meta.to(DEVICE)
     triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
                                   meta.slot_mapping)
     changed = (dev_kc.cpu() != before).any(-1).any(0).nonzero().tolist()
