@@ -6,7 +6,7 @@ against it:
     paged_attention(query, key, value, key_cache, value_cache, meta, scale) -> output
 
 Backends: "flash-attn" (kernels/flash.py), "triton" (kernels/triton_attn.py), "torch"
-(kernels/cpu.py: torch ops, any device) and "reference" (slow, for tests).
+(kernels/torch_attn.py: torch ops, any device; the CUDA fallback) and "reference" (slow, for tests).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu, reference
+from kernels import reference, torch_attn
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "BACKENDS", "select_backend", "cpu", "reference"]
+__all__ = ["AttentionMetadata", "BACKENDS", "reference", "select_backend", "torch_attn"]
 BACKENDS = ("flash-attn", "triton", "torch", "reference")
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ def select_backend(device: torch.device, name: str | None = None, *, block_size:
     if name == "reference":
         return reference
     if name == "torch":
-        return cpu
+        return torch_attn
     if name not in (None, "flash-attn", "triton"):
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     if name is None and device.type != "cuda":
-        return cpu
+        return torch_attn
     reasons = []
     if name in (None, "flash-attn"):
         backend, why = _flash(block_size, head_dim, dtype)
@@ -76,4 +76,4 @@ def select_backend(device: torch.device, name: str | None = None, *, block_size:
     if name is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {'; '.join(reasons)}")
     log.warning("attention backend: torch (%s)", "; ".join(reasons))
-    return cpu
+    return torch_attn

@@ -49,7 +49,7 @@ _varlen, BUILD, PAGE_MULTIPLE = _load()
 try:
     from kernels.triton_attn import reshape_and_cache
 except ImportError:
-    from kernels.cpu import reshape_and_cache
+    from kernels.torch_attn import reshape_and_cache
 
 __all__ = ["BUILD", "paged_attention", "reshape_and_cache", "unsupported"]
 

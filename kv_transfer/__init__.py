@@ -1,11 +1,17 @@
-"""KV block transfer between engines: the connector interface (base), NIXL, a gRPC-stream
-fallback, and an in-memory fake for tests."""
+"""KV block transfer between engines: the contract (base), NIXL, a gRPC-stream fallback,
+the lease check every decode worker puts around its receiver, and an in-memory fake that
+only tests import. Importing this package (or `kv_transfer.base`) loads no torch: the
+connectors are imported when one is made."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from kv_transfer.base import KVLayout, KVReceiver, KVSender
+if TYPE_CHECKING:
+    from kv_transfer.base import KVLayout, KVReceiver, KVSender
+    from kv_transfer.grpc_stream import Fetch
+
+TRANSPORTS = ("nixl", "grpc")
 
 
 def default_transport() -> str:
@@ -17,8 +23,7 @@ def default_transport() -> str:
     return "nixl"
 
 
-def make_sender(transport: str, engine_id: str, layout: KVLayout,
-                kv_caches: list[torch.Tensor]) -> KVSender:
+def make_sender(transport: str, engine_id: str, layout: KVLayout, kv_caches: list) -> KVSender:
     if transport == "nixl":
         from kv_transfer.nixl_connector import NixlConnector
 
@@ -30,9 +35,9 @@ def make_sender(transport: str, engine_id: str, layout: KVLayout,
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")
 
 
-def make_receiver(transport: str, engine_id: str, layout: KVLayout,
-                  kv_caches: list[torch.Tensor], fetch=None) -> KVReceiver:
-    """`fetch(engine_id, block_ids)` yields block bytes; the gRPC transport needs it."""
+def make_receiver(transport: str, engine_id: str, layout: KVLayout, kv_caches: list,
+                  fetch: Fetch | None = None) -> KVReceiver:
+    """`fetch(handle, block_ids)` yields block bytes; the gRPC transport needs it."""
     if transport == "nixl":
         from kv_transfer.nixl_connector import NixlConnector
 
@@ -40,5 +45,7 @@ def make_receiver(transport: str, engine_id: str, layout: KVLayout,
     if transport == "grpc":
         from kv_transfer.grpc_stream import GrpcStreamReceiver
 
+        if fetch is None:
+            raise ValueError("the gRPC transport needs a fetch function")
         return GrpcStreamReceiver(layout, kv_caches, fetch)
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")

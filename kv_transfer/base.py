@@ -1,5 +1,7 @@
-"""The KV connector interface: a sender exposes an engine's paged KV blocks, a receiver
-pulls chosen blocks from a peer into its own blocks, and each pull has one poll state.
+"""The KV-transfer contract, owned here: what peers must share (the layout and its
+fingerprint), what a prefill engine hands out (a handle on blocks held under a lease),
+and the connector interface (a sender exposes blocks, a receiver pulls them, and each
+pull has one poll state). Torch-free: the engine imports this module, the router may too.
 
 Both sides hold one tensor per layer, `[K|V, kv_head, block, offset, head_dim]` (see
 services/engine/model_runner.py). A block is therefore not one contiguous range: in each
@@ -14,19 +16,91 @@ its own tensors with its own block count.
 
 from __future__ import annotations
 
+import enum
+import hashlib
 from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
 
-import torch
-
-from services.engine.kv_layout import IncompatibleLayout, KVLayout, TransferState
-
-# The layout and the poll state live with the engine (services may not import kv_transfer).
-IncompatiblePeer = IncompatibleLayout
-__all__ = ["IncompatiblePeer", "KVLayout", "KVReceiver", "KVSender", "TransferState",
-           "check_caches"]
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def check_caches(layout: KVLayout, kv_caches: list[torch.Tensor]) -> int:
+class TransferState(enum.Enum):
+    """One pull, as a receiver's poll reports it."""
+
+    TRANSFERRING = "transferring"  # accepted; bytes may still be landing
+    SUCCESS = "success"  # every block landed (and, where checked, the lease held throughout)
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self is not TransferState.TRANSFERRING
+
+
+class IncompatibleLayout(ValueError):
+    """The peer's KV layout differs from ours: its blocks cannot be copied into ours."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two engines must share for a byte copy of a block to be a valid block."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def fingerprint(self) -> str:
+        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def element_size(self) -> int:
+        return ELEMENT_SIZE[self.dtype]
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.block_size * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return self.num_layers * 2 * self.num_kv_heads * self.chunk_bytes
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise IncompatibleLayout naming every field that differs."""
+        mine, theirs = asdict(self), asdict(other)
+        diff = [f"{k}: ours {mine[k]!r}, peer {theirs[k]!r}" for k in mine
+                if mine[k] != theirs[k]]
+        if diff:
+            raise IncompatibleLayout("KV layout mismatch (" + "; ".join(diff) + ")")
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """A prompt's KV held on a prefill engine: that engine's id, the request's id there,
+    the lease under which the blocks are held, the blocks in order (the last may be
+    partial) and the number of prompt tokens they hold.
+
+    `lease_id` names one grant of a lease: a lease that was released or expired is never
+    granted again under the same id, so "lease `lease_id` of `request_id` is still held"
+    proves the blocks were not freed (nor reused) since the handle was made.
+    `deadline` is the receiver's own estimate (its monotonic clock) of when the lease
+    ends; a pull is not started after it. It cannot see stalls before the handle reached
+    it, so correctness rests on the lease check, not on the deadline.
+    """
+
+    engine_id: str
+    request_id: str
+    lease_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline: float = float("inf")
+
+
+def check_caches(layout: KVLayout, kv_caches: list) -> int:
     """Validate per-layer tensors against the layout; return their block count."""
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"expected {layout.num_layers} layer tensors, got {len(kv_caches)}")
@@ -53,19 +127,26 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """The side that pulls (the decode worker). `start_load` never blocks on the network;
-    `poll` reports the state, and once it says SUCCESS or FAILED the transfer is forgotten.
-    The destination blocks must stay allocated until then: the transport may still write.
+    """The side that pulls (the decode worker).
+
+    - `add_peer` is called once per sender (again if it restarts), before any load from it.
+    - `start_load` never blocks on the network and never raises for a transfer problem:
+      a load that cannot run is reported FAILED by `poll`.
+    - `poll` reports the state; once it says SUCCESS or FAILED the transfer is forgotten,
+      and a later poll of that id is FAILED ("unknown transfer").
+    - The destination blocks must stay allocated until then: the transport may still write.
+    - SUCCESS means every block landed and, for receivers that check it (LeaseChecked),
+      that the source still held the handle's lease when the bytes had landed.
     """
 
     @abstractmethod
     def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
-        """Register a sender; raise IncompatiblePeer if its layout differs from ours."""
+        """Register a sender; raise IncompatibleLayout if its layout differs from ours."""
 
     @abstractmethod
-    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+    def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
-        """Copy remote block i into local block i, for each i."""
+        """Copy remote block i (one of `handle.block_ids`) into local block i, for each i."""
 
     @abstractmethod
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:

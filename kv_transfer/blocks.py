@@ -1,5 +1,40 @@
-"""Blocks as bytes (the engine's own codec, re-exported for the connectors)."""
+"""The block byte codec: blocks as bytes, for transports that move bytes rather than memory
+(the gRPC fallback, the fake, and tests that compare KV exactly).
 
-from services.engine.kv_blocks import read_blocks, write_blocks
+Wire order of one block: layer-major, then K|V, then kv head, then [offset, head_dim]:
 
-__all__ = ["read_blocks", "write_blocks"]
+    block b bytes = concat over l of  kv_caches[l][:, :, b]   (shape [2, kv_heads, bs, d])
+
+so n blocks are `n * layout.block_bytes` bytes, block i at offset i * block_bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
+    if not block_ids:
+        return b""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, kv_heads, bs, d]
+    stacked = torch.stack([kv.index_select(2, idx) for kv in kv_caches])
+    raw = stacked.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+    return raw.view(torch.uint8).numpy().tobytes()
+
+
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes) -> None:
+    """Inverse of read_blocks: raise ValueError (writing nothing) if the size is wrong."""
+    if not block_ids:
+        return
+    ref = kv_caches[0]
+    per_block = len(kv_caches) * ref[:, :, 0].numel() * ref.element_size()
+    if len(data) != per_block * len(block_ids):
+        raise ValueError(f"got {len(data)} bytes for {len(block_ids)} blocks of "
+                         f"{per_block} bytes")
+    _, kvh, _, bs, d = ref.shape
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(ref.dtype)
+    blocks = flat.view(len(block_ids), len(kv_caches), 2, kvh, bs, d).to(ref.device)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=ref.device)
+    for layer, kv in enumerate(kv_caches):
+        kv.index_copy_(2, idx, blocks[:, layer].permute(1, 2, 0, 3, 4))

@@ -1,6 +1,7 @@
-"""An in-memory connector for unit tests: peers are engines in the same process, found by
-engine id, and a load copies blocks when polled, unless `hold` keeps it in flight. `fail`
-makes the next loads fail, to test the error paths."""
+"""An in-memory connector for tests only (production code never imports it): peers are
+engines in the same process, found by engine id, and a load copies blocks when polled,
+unless `hold` keeps it in flight. `fail` makes the next loads fail, to test the error
+paths."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import threading
 
 import torch
 
-from kv_transfer.base import KVLayout, KVReceiver, KVSender, TransferState, check_caches
+from kv_transfer.base import (
+    KVHandle,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    TransferState,
+    check_caches,
+)
 from kv_transfer.blocks import read_blocks, write_blocks
 
 _registry: dict[str, list[torch.Tensor]] = {}
@@ -23,7 +31,6 @@ class FakeConnector(KVSender, KVReceiver):
         self.num_blocks = check_caches(layout, kv_caches)
         self.fail: str | None = None  # set to a reason to fail every load from now on
         self.hold = False  # while True, every load stays in flight
-        self.blocks_loaded = 0
         self._peers: set[str] = set()
         self._pending: dict[str, tuple[str, list[int], list[int]]] = {}
         with _lock:
@@ -36,9 +43,10 @@ class FakeConnector(KVSender, KVReceiver):
         self.layout.check_compatible(layout)
         self._peers.add(engine_id)
 
-    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+    def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
-        self._pending[transfer_id] = (engine_id, list(remote_block_ids), list(local_block_ids))
+        self._pending[transfer_id] = (handle.engine_id, list(remote_block_ids),
+                                      list(local_block_ids))
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         entry = self._pending.get(transfer_id)
@@ -57,36 +65,8 @@ class FakeConnector(KVSender, KVReceiver):
         if len(remote) != len(local):
             return TransferState.FAILED, "remote and local block lists differ in length"
         write_blocks(self.kv_caches, local, read_blocks(src, remote))
-        self.blocks_loaded += len(local)
         return TransferState.SUCCESS, None
 
     def close(self) -> None:
         with _lock:
             _registry.pop(self.engine_id, None)
-
-
-class FailingReceiver(KVReceiver):
-    """A test hook for real deployments (`baton serve --inject-kv-failure REASON`): wraps a
-    receiver and fails every pull with REASON, so the failure policy can be exercised
-    end to end."""
-
-    def __init__(self, inner: KVReceiver, reason: str):
-        self.inner = inner
-        self.reason = reason
-        self._ids: set[str] = set()
-
-    def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
-        self.inner.add_peer(engine_id, layout, metadata)
-
-    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
-                   local_block_ids: list[int]) -> None:
-        self._ids.add(transfer_id)
-
-    def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
-        if transfer_id in self._ids:
-            self._ids.discard(transfer_id)
-            return TransferState.FAILED, f"injected: {self.reason}"
-        return TransferState.FAILED, f"unknown transfer {transfer_id!r}"
-
-    def close(self) -> None:
-        self.inner.close()

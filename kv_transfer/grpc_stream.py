@@ -1,10 +1,10 @@
 """The fallback connector for hosts without NIXL: block bytes streamed over gRPC.
 
-kv_transfer may not import the protos, so the transport is a function the decode worker
-passes in: `fetch(engine_id, transfer_id, remote_block_ids)` yields the bytes of those
-blocks in the order of kv_transfer/blocks.py (it calls the prefill worker's ReadKvBlocks
-RPC, which checks the blocks are still under that request's lease). Loads run on a small
-thread pool; the engine only polls.
+The transport is a function the decode worker passes in (kv_transfer stays free of RPC
+stubs): `fetch(handle, remote_block_ids)` yields the bytes of those blocks in the order of
+kv_transfer/blocks.py. The decode worker's fetch calls the prefill worker's ReadKvBlocks,
+which serves only blocks held under the handle's lease, before and after the read. Loads
+run on a small thread pool; the engine only polls.
 """
 
 from __future__ import annotations
@@ -15,10 +15,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kv_transfer.base import KVLayout, KVReceiver, KVSender, TransferState, check_caches
+from kv_transfer.base import (
+    KVHandle,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    TransferState,
+    check_caches,
+)
 from kv_transfer.blocks import write_blocks
 
-Fetch = Callable[[str, str, list[int]], Iterable[bytes]]
+Fetch = Callable[[KVHandle, list[int]], Iterable[bytes]]
 
 
 class GrpcStreamSender(KVSender):
@@ -44,22 +51,21 @@ class GrpcStreamReceiver(KVReceiver):
         self.layout.check_compatible(layout)
         self._peers.add(engine_id)
 
-    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+    def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
-        fut = self._pool.submit(self._load, engine_id, transfer_id, list(remote_block_ids),
+        fut = self._pool.submit(self._load, handle, list(remote_block_ids),
                                 list(local_block_ids))
         with self._lock:
             self._loads[transfer_id] = fut
 
-    def _load(self, engine_id: str, transfer_id: str, remote: list[int],
-              local: list[int]) -> None:
-        if engine_id not in self._peers:
-            raise ValueError(f"unknown peer {engine_id!r}")
+    def _load(self, handle: KVHandle, remote: list[int], local: list[int]) -> None:
+        if handle.engine_id not in self._peers:
+            raise ValueError(f"unknown peer {handle.engine_id!r}")
         if len(remote) != len(local):
             raise ValueError("remote and local block lists differ in length")
         if any(not 0 < b < self.num_blocks for b in local):
             raise ValueError(f"local block ids out of range (1..{self.num_blocks - 1})")
-        data = b"".join(self._fetch(engine_id, transfer_id, remote))
+        data = b"".join(self._fetch(handle, remote))
         write_blocks(self.kv_caches, local, data)
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:

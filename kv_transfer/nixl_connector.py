@@ -23,7 +23,8 @@ import torch
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
 from kv_transfer.base import (
-    IncompatiblePeer,
+    IncompatibleLayout,
+    KVHandle,
     KVLayout,
     KVReceiver,
     KVSender,
@@ -144,7 +145,7 @@ class NixlConnector(KVSender, KVReceiver):
         if md["engine_id"] != engine_id:
             raise ValueError(f"metadata of {md['engine_id']!r} given for peer {engine_id!r}")
         if md["fingerprint"] != layout.fingerprint:
-            raise IncompatiblePeer(f"peer {engine_id}: metadata is for another KV layout")
+            raise IncompatibleLayout(f"peer {engine_id}: metadata is for another KV layout")
         if len(md["base_addrs"]) != layout.num_layers:
             raise ValueError(f"peer {engine_id}: {len(md['base_addrs'])} layers in metadata")
         with self._lock:
@@ -170,8 +171,9 @@ class NixlConnector(KVSender, KVReceiver):
                 raise ConnectionError(f"peer {engine_id}: NIXL rejected its memory: {e!r}") from e
             self._peers[engine_id] = (name, metadata, dlist, md["num_blocks"])
 
-    def start_load(self, transfer_id: str, engine_id: str, remote_block_ids: list[int],
+    def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
+        engine_id = handle.engine_id
         with self._lock:
             if transfer_id in self._active or transfer_id in self._finished:
                 raise ValueError(f"transfer {transfer_id} is already in flight")
@@ -183,24 +185,24 @@ class NixlConnector(KVSender, KVReceiver):
                 self._finished[transfer_id] = (TransferState.SUCCESS, None)
                 return
             name, _, remote, remote_n = self._peers[engine_id]
-            handle = None
+            xfer = None
             try:
                 local_idx = _block_indices(local_block_ids, self.num_blocks, self.num_groups)
                 remote_idx = _block_indices(remote_block_ids, remote_n, self.num_groups)
-                handle = self.agent.make_prepped_xfer("READ", self._local, local_idx,
-                                                      remote, remote_idx)
-                state = self.agent.transfer(handle)
+                xfer = self.agent.make_prepped_xfer("READ", self._local, local_idx,
+                                                    remote, remote_idx)
+                state = self.agent.transfer(xfer)
             except Exception as e:  # a dead peer or bad descriptors surface here
-                self._release(handle)
+                self._release(xfer)
                 self._finished[transfer_id] = (TransferState.FAILED,
                                                f"NIXL could not post the read: {e}")
                 return
             if state == "ERR":
-                self._release(handle)
+                self._release(xfer)
                 self._finished[transfer_id] = (TransferState.FAILED,
                                                f"NIXL failed to post the read from {engine_id}")
             else:  # DONE or PROC: poll reports it
-                self._active[transfer_id] = (handle, engine_id)
+                self._active[transfer_id] = (xfer, engine_id)
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         with self._lock:

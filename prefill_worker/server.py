@@ -1,6 +1,8 @@
 """The prefill worker: an engine in the prefill role behind PrefillService and
 WorkerService. A prompt runs (chunked, prefix-cached) to its first token; unless that token
-ends the request, its blocks stay held under a lease and the reply carries a KV handle."""
+ends the request, its blocks stay held under a lease and the reply carries a KV handle
+naming the lease. The decode worker that pulls the blocks releases the lease, and trusts
+its pull only if the release finds the lease still held."""
 
 from __future__ import annotations
 
@@ -8,41 +10,41 @@ import logging
 
 import grpc
 
+from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer import make_sender
 from services.engine.engine import LLMEngine
-from services.engine.kv_layout import IncompatibleLayout, KVLayout
-from services.serving.convert import FINISH, logprobs_messages, set_stop_reason
-from services.worker.async_engine import AsyncEngine, Overloaded
-from services.worker.common import (
-    abort_overloaded,
-    engine_config,
+from services.serving.errors import Aborted, InvalidArgument
+from services.worker.async_engine import AsyncEngine
+from services.worker.config import WorkerConfig
+from services.worker.messages import (
+    delta_message,
     layout_from_message,
     layout_message,
-    run_worker,
     sampling_params,
 )
+from services.worker.runtime import make_engine, run_worker
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServicer(wk_grpc.PrefillServiceServicer):
-    def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str, sender):
+    def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str,
+                 transport_metadata: bytes):
+        engine = aengine.engine
         self.aengine = aengine
         self.engine_id = engine_id
         self.transport = transport
-        self.sender = sender
-        self.layout = KVLayout.of_engine(aengine.engine)
+        self.transport_metadata = transport_metadata
+        self.layout = engine.kv_layout
+        self.lease_s = engine.config.kv_lease_timeout_s
 
     async def Prefill(self, request, context):
-        try:
-            params = sampling_params(request.sampling)
-        except (ValueError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        params = sampling_params(request.sampling)
         rid = request.request_id
         if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise InvalidArgument("request_id: required")
         prompt = list(request.prompt_token_ids)
 
         def add(engine: LLMEngine):
@@ -50,55 +52,44 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                                cache_salt=request.cache_salt or None, kv_hold=True)
 
         out = None
-        try:
-            async for o in self.aengine.generate(rid, add):
-                out = o
-        except Overloaded as e:
-            await abort_overloaded(context, e)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if out is None or out.error or (out.finish_reason == "abort"):
-            await context.abort(grpc.StatusCode.ABORTED, out.error if out else "aborted")
+        async for o in self.aengine.generate(rid, add):
+            out = o
+        if out is None or out.error or out.finish_reason == "abort":
+            raise Aborted(out.error if out is not None and out.error else "aborted")
         reply = wk.PrefillResponse(
-            first_token_id=out.new_token_ids[0], text=out.new_text,
-            finish_reason=FINISH[out.finish_reason], cached_tokens=out.num_cached_tokens,
-            queue_s=out.queue_time or 0.0, prefill_s=out.prefill_time or 0.0)
-        if out.logprobs:
-            reply.logprobs.CopyFrom(logprobs_messages(out.logprobs[-1:])[0])
-        set_stop_reason(reply, out.stop_reason)
-        if out.kv_block_ids is not None:
+            delta=delta_message(out), cached_tokens=out.num_cached_tokens,
+            timings=gen.Timings(queue_s=out.queue_time or 0.0,
+                                prefill_s=out.prefill_time or 0.0))
+        if out.handed_off:
             reply.handle.CopyFrom(wk.KvHandle(
-                engine_id=self.engine_id, block_ids=out.kv_block_ids,
-                num_tokens=len(out.prompt_token_ids), fingerprint=self.layout.fingerprint,
-                lease_s=self.aengine.engine.scheduler.lease_timeout_s))
+                engine_id=self.engine_id, request_id=rid, lease_id=out.kv_lease_id,
+                block_ids=out.kv_block_ids, num_tokens=len(out.prompt_token_ids),
+                fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
             if context.cancelled():  # nobody will come for these blocks
-                await self.aengine.call(lambda e: e.release_lease(rid))
+                await self.aengine.call(lambda e: e.release_lease(rid, out.kv_lease_id))
         return reply
 
     async def ReleaseKv(self, request, context):
-        rid = request.request_id
-        released = await self.aengine.call(lambda e: e.release_lease(rid))
+        rid, lease_id = request.request_id, request.lease_id or None
+        released = await self.aengine.call(lambda e: e.release_lease(rid, lease_id))
         return wk.ReleaseKvResponse(released=released)
 
     async def Handshake(self, request, context):
-        try:
-            self.layout.check_compatible(layout_from_message(request.layout))
-        except IncompatibleLayout as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"decode engine {request.engine_id}: {e}")
+        self.layout.check_compatible(layout_from_message(request.layout))
         return wk.HandshakeResponse(engine_id=self.engine_id,
                                     layout=layout_message(self.layout),
                                     transport=self.transport,
-                                    transport_metadata=self.sender.metadata())
+                                    transport_metadata=self.transport_metadata)
 
 
-def serve(args) -> None:
-    engine = LLMEngine(engine_config(args))
-    sender = make_sender(args.kv_transport, args.engine_id, KVLayout.of_engine(engine),
-                         engine.runner.kv_caches)
+def serve(config: WorkerConfig) -> None:
+    engine = make_engine(config.engine, config.threads)
+    sender = make_sender(config.kv_transport, config.engine_id, engine.kv_layout,
+                         engine.kv_caches)
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(
-            PrefillServicer(aengine, args.engine_id, args.kv_transport, sender), server)
+            PrefillServicer(aengine, config.engine_id, config.kv_transport,
+                            sender.metadata()), server)
 
-    run_worker(args, "prefill", engine, "PrefillService", add, closers=[sender.close])
+    run_worker(config, "prefill", engine, "PrefillService", add, closers=[sender.close])

@@ -1,22 +1,33 @@
-"""The workers the router knows: static addresses, health from a stats poll, load scores,
-and which prefill/decode pairs have shaken hands (compatible KV layouts).
+"""The workers the router knows: their state from stats polls, their load, and which
+prefill engines each decode worker has shaken hands with.
+
+A worker's state, from its polls:
+
+    up        answers, not draining: takes new requests
+    draining  answers with `draining`: no new requests, but what it holds goes on (a
+              prefill worker's handles are still pulled: its pairs are kept)
+    down      a poll refused, or unanswered for `worker_timeout_s` (dead, frozen,
+              unreachable): calls in flight to it are failed, so their requests move on
+              (the failure rules apply)
+
+Pairs are keyed by the prefill *engine id* (from its stats): a handle names the engine
+that holds its KV, and a restarted worker comes back under a new id, to be paired anew.
 
 Load score, as vLLM's data-parallel balancer: waiting * 4 + running, from each worker's
 last stats, plus the requests routed to it since (counted as waiting), so a burst between
-two polls does not all land on one worker.
+two polls spreads out. Both prefill and decode picks count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.serving.server import CHANNEL_OPTIONS
+from router.clients import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +36,16 @@ log = logging.getLogger(__name__)
 class Worker:
     address: str
     role: str
-    channel: grpc.aio.Channel | None = None  # made in Registry.start, inside the loop
-    healthy: bool = False
+    client: object  # GrpcWorkerClient or LocalWorkerClient
+    state: str = "unknown"  # "unknown" until its first poll, then up / draining / down
     stats: wk.GetStatsResponse | None = None
+    last_seen: float = 0.0  # monotonic time of the last answered poll
     routed: int = 0  # requests sent since the last stats poll
-    pairs: dict[str, str | None] = field(default_factory=dict)  # prefill addr -> error
+    pairs: dict[str, str | None] = field(default_factory=dict)  # prefill engine id -> error
+
+    @property
+    def engine_id(self) -> str | None:
+        return self.stats.engine_id if self.stats is not None else None
 
     @property
     def score(self) -> int:
@@ -39,10 +55,15 @@ class Worker:
 
 
 class Registry:
-    def __init__(self, prefill: list[str], decode: list[str], poll_s: float = 0.5):
-        self.prefill = [Worker(a, "prefill") for a in prefill]
-        self.decode = [Worker(a, "decode") for a in decode]
+    def __init__(self, prefill: list[Worker], decode: list[Worker], poll_s: float = 0.5,
+                 worker_timeout_s: float = 3.0,
+                 on_ready: Callable[[bool, str], Awaitable[None]] | None = None):
+        self.prefill = prefill
+        self.decode = decode
         self.poll_s = poll_s
+        self.worker_timeout_s = worker_timeout_s
+        self.on_ready = on_ready  # told (ready, why) whenever readiness changes
+        self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
 
     @property
@@ -51,13 +72,11 @@ class Registry:
 
     def model_info(self):
         for w in self.workers:
-            if w.stats is not None:
+            if w.stats is not None and w.state != "down":
                 return w.stats.model_info
         return None
 
     async def start(self) -> None:
-        for w in self.workers:
-            w.channel = _channel(w.address)
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -65,8 +84,7 @@ class Registry:
         if self._task is not None:
             self._task.cancel()
         for w in self.workers:
-            if w.channel is not None:
-                await w.channel.close()
+            await w.client.close()
 
     async def _loop(self) -> None:
         while True:
@@ -78,62 +96,95 @@ class Registry:
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
-        pending = [(d, p) for d in self.decode if d.healthy for p in self.prefill
-                   if p.healthy and p.address not in d.pairs]
+        by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
+        pending = [(d, p) for d in self.decode if d.state == "up"
+                   for eid, p in by_id.items() if eid not in d.pairs]
         await asyncio.gather(*(self._connect(d, p) for d, p in pending))
+        ready = self.readiness()
+        if ready != self._ready:
+            self._ready = ready
+            log.log(logging.INFO if ready[0] else logging.WARNING, "router %s: %s",
+                    "ready" if ready[0] else "not ready", ready[1])
+            if self.on_ready is not None:
+                await self.on_ready(*ready)
 
     async def _poll(self, w: Worker) -> None:
-        stub = wk_grpc.WorkerServiceStub(w.channel)
         try:
-            w.stats = await stub.GetStats(wk.GetStatsRequest(), timeout=2)
-            w.routed = 0
-            if not w.healthy:
-                log.info("%s worker %s is up (%s)", w.role, w.address, w.stats.engine_id)
-            w.healthy = True
-        except grpc.aio.AioRpcError as e:
-            if w.healthy:
-                log.warning("%s worker %s is down: %s", w.role, w.address, e.code())
-            w.healthy = False
-            # A restarted worker must shake hands again (pairs live on decode workers).
-            w.pairs.clear()
+            stats = await w.client.stats(timeout=self.worker_timeout_s)
+        except WorkerError as e:
+            # Refused at once (dead), or no answer within worker_timeout_s (frozen).
+            if w.state != "down":
+                if w.state != "unknown":
+                    log.warning("%s worker %s is down: %s", w.role, w.address, e.code.name)
+                w.state = "down"
+                w.client.fail_inflight()  # those requests move on, as from a dead worker
+            return
+        if w.engine_id is not None and stats.engine_id != w.engine_id:
+            log.info("%s worker %s restarted as %s", w.role, w.address, stats.engine_id)
+            w.pairs.clear()  # a decode worker's handshakes died with its old engine
+        state = "draining" if stats.draining else "up"
+        if state != w.state:
+            log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
+        w.stats, w.state, w.last_seen, w.routed = stats, state, time.monotonic(), 0
+        if w.role == "prefill":  # forget pairs with engines no prefill worker runs now
+            live = {p.engine_id for p in self.prefill}
             for d in self.decode:
-                d.pairs.pop(w.address, None)
+                for eid in [e for e in d.pairs if e not in live]:
+                    del d.pairs[eid]
 
     async def _connect(self, d: Worker, p: Worker) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION
         (layouts differ) marks the pair unusable for good; other errors retry next poll."""
-        stub = wk_grpc.DecodeServiceStub(d.channel)
         try:
-            await stub.Connect(wk.ConnectRequest(prefill_address=p.address), timeout=15)
-            d.pairs[p.address] = None
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                d.pairs[p.address] = e.details()
+            reply = await d.client.connect(p.address)
+        except WorkerError as e:
+            if e.code.name == "FAILED_PRECONDITION":
+                d.pairs[p.engine_id] = e.details
                 log.error("decode %s cannot take KV from prefill %s: %s", d.address,
-                          p.address, e.details())
+                          p.address, e.details)
+            return
+        d.pairs[reply.prefill_engine_id] = None
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether a request can be served now, and why not. A decode worker alone can
+        serve (it prefills itself). While prefill workers are up and their handshakes are
+        still pending, not yet: the first requests would not be disaggregated."""
+        decodes = [d for d in self.decode if d.state == "up"]
+        if not decodes:
+            return False, "no decode worker is up: " + _states(self.decode)
+        prefills = [p for p in self.prefill if p.state == "up"]
+        pending = [p for p in prefills if any(p.engine_id not in d.pairs for d in decodes)]
+        usable = self.prefills()
+        if pending and not usable:
+            return False, "pairing the decode workers with the prefill workers"
+        errors = sorted({e for d in decodes for e in d.pairs.values() if e})
+        return True, (f"{len(usable)} prefill and {len(decodes)} decode workers usable"
+                      + (f"; unusable pairs: {'; '.join(errors)}" if errors else ""))
 
     def prefills(self) -> list[Worker]:
-        """Healthy prefill workers, least loaded first."""
-        return sorted((w for w in self.prefill if w.healthy), key=lambda w: w.score)
+        """Prefill workers that take new requests and that some decode worker can pull
+        from (else their work would be thrown away), least loaded first."""
+        paired = {eid for d in self.decode if d.state == "up"
+                  for eid, error in d.pairs.items() if error is None}
+        return sorted((w for w in self.prefill if w.state == "up" and w.engine_id in paired),
+                      key=lambda w: w.score)
 
-    def pick_decode(self, prefill: Worker | None, exclude: set[str] = frozenset()) -> Worker:
-        """The least loaded healthy decode worker, not in `exclude`; paired with `prefill`
-        (shook hands, compatible layouts) when one is given. LookupError says why not."""
-        decodes = [d for d in self.decode if d.healthy and d.address not in exclude]
-        if prefill is not None:
-            paired = [d for d in decodes if d.pairs.get(prefill.address, "") is None]
-            if not paired:
-                errors = [e for d in decodes if (e := d.pairs.get(prefill.address))]
-                if errors:
-                    raise LookupError("no compatible decode worker: " + "; ".join(errors))
-                raise LookupError(f"no healthy decode worker connected to {prefill.address}")
-            decodes = paired
+    def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset()
+                    ) -> tuple[Worker, bool]:
+        """The least loaded decode worker that takes new requests, not in `exclude`, and
+        whether it has paired with prefill engine `engine_id` (so it can pull a handle from
+        there). Paired workers first; with none paired, any (it will recompute the prompt).
+        LookupError says why there is none."""
+        decodes = [d for d in self.decode if d.state == "up" and d.address not in exclude]
         if not decodes:
-            raise LookupError("no healthy decode worker")
-        d = min(decodes, key=lambda w: w.score)
+            tried = f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""
+            raise LookupError("no decode worker can take the request: "
+                              + _states(self.decode) + tried)
+        paired = [d for d in decodes if engine_id and d.pairs.get(engine_id, "") is None]
+        d = min(paired or decodes, key=lambda w: w.score)
         d.routed += 1
-        return d
+        return d, bool(paired)
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _states(workers: list[Worker]) -> str:
+    return ", ".join(f"{w.address} {w.state}" for w in workers) or "none configured"

@@ -116,7 +116,7 @@ def default_model(tmp: Path, shapes: dict, smoke: bool):
 
 def kernel_errors(device: str, smoke: bool) -> None:
     """Max |error| of each backend's attention and cache write against the reference."""
-    backends = {"torch": kernels.cpu}
+    backends = {"torch": kernels.torch_attn}
     try:
         from kernels import triton_attn
 
@@ -148,7 +148,7 @@ def kernel_errors(device: str, smoke: bool) -> None:
                 q, k, v, kc, vc = (t.to(device) for t in (q, k, v, kc, vc))
                 meta = meta.to(device)
                 want_kc, want_vc = kc.clone(), vc.clone()
-                kernels.cpu.reshape_and_cache(k, v, want_kc, want_vc, meta.slot_mapping)
+                kernels.torch_attn.reshape_and_cache(k, v, want_kc, want_vc, meta.slot_mapping)
                 want = reference.paged_attention(q.float(), None, None, want_kc.float(),
                                                  want_vc.float(), meta, head_dim**-0.5)
                 cells, write_ok = [], True

@@ -27,9 +27,9 @@ from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
+from kv_transfer.base import KVLayout
 from services.bench.workloads import make_workload
-from services.engine.kv_layout import KVLayout
-from services.serving.launcher import spawn, stop_all, wait_healthy
+from services.serving.processes import spawn, stop_all, wait_healthy
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281}
 
@@ -72,12 +72,13 @@ async def run_load(address: str, prompts: list[list[int]], output_len: int, conc
                     now = time.perf_counter()
                     if n == 0:
                         res.ttft.append(now - t0)
-                    elif msg.token_ids:
-                        res.itl += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
-                    if msg.token_ids:
+                    elif msg.delta.token_ids:
+                        k = len(msg.delta.token_ids)
+                        res.itl += [(now - last) / k] * k
+                    if msg.delta.token_ids:
                         last = now
-                    n += len(msg.token_ids)
-                    if msg.finish_reason:
+                    n += len(msg.delta.token_ids)
+                    if msg.delta.finish_reason:
                         t = msg.timings
                         res.prefill.append(t.prefill_s)
                         if t.kv_transfer_s > 0:
@@ -98,17 +99,18 @@ def start(mode: str, threads: int, worker_threads: int, kv_gib: float) -> tuple[
     procs = []
     try:
         if mode == "colocated":
-            procs.append(spawn("colocated", PORTS["colocated"],
+            procs.append(spawn("colocated", f"127.0.0.1:{PORTS['colocated']}",
                                env_flags + ["--threads", str(threads)]))
             wait_healthy(f"127.0.0.1:{PORTS['colocated']}", procs[0], 300)
             return procs, f"127.0.0.1:{PORTS['colocated']}"
         for role in ("prefill", "decode"):
-            procs.append(spawn(role, PORTS[role],
+            procs.append(spawn(role, f"127.0.0.1:{PORTS[role]}",
                                env_flags + ["--threads", str(worker_threads)]))
         for role, p in zip(("prefill", "decode"), procs, strict=True):
             wait_healthy(f"127.0.0.1:{PORTS[role]}", p, 300)
-        procs.append(spawn("router", PORTS["router"],
-                           ["--prefill", f"127.0.0.1:{PORTS['prefill']}", "--decode",
+        procs.append(spawn("router", f"127.0.0.1:{PORTS['router']}",
+                           ["--log-level", "WARNING", "--prefill",
+                            f"127.0.0.1:{PORTS['prefill']}", "--decode",
                             f"127.0.0.1:{PORTS['decode']}"]))
         wait_healthy(f"127.0.0.1:{PORTS['router']}", procs[-1], 60)
         return procs, f"127.0.0.1:{PORTS['router']}"

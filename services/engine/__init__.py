@@ -1,9 +1,33 @@
-"""The engine: block pool, KV-cache manager, scheduler, model runner, sampler, detokenizer."""
+"""The engine: block pool, KV-cache manager, scheduler, model runner, sampler, detokenizer.
 
-from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
-from services.engine.llm import LLM
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+`from services.engine import LLM, SamplingParams` is the offline API. The names load on
+first use, so that `services.engine.config` (torch-free) imports without the engine.
+"""
+
+from __future__ import annotations
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from services.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from services.engine.engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineConfig":
+        from services.engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "RequestOutput":
+        from services.engine.outputs import RequestOutput
+
+        return RequestOutput
+    if name == "SamplingParams":
+        from services.serving.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'services.engine' has no attribute {name!r}")

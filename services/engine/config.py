@@ -1,12 +1,11 @@
-"""Engine configuration: frozen, validated on construction."""
+"""Engine configuration: frozen, validated on construction. Torch-free (torch loads only
+when a property asks for a torch object), so the CLI reads its defaults without it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,15 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -1,33 +1,42 @@
-"""The step-level engine the services drive: add_request, step, abort_request."""
+"""The step-level engine the services drive: add a request, step, abort.
+
+    step():  schedule  ->  run the model once  ->  update (tokens, stops, outputs)
+
+Workers see only this class's surface: requests in and out, `stats()`, the lease query
+and release (prefill role), the KV caches and their layout (for the transfer connectors),
+and `model_info`. The scheduler, pool and runner stay behind it. The decode role's KV
+receiver is a collaborator given at construction (it needs the caches this constructor
+allocates, so it comes as a factory).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
-import torch
-
+from kv_transfer.base import KVHandle, KVLayout, KVReceiver
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_layout import TransferState
 from services.engine.loader import load_checkpoint, resolve_model_path
 from services.engine.model_runner import ModelRunner
-from services.engine.outputs import RequestOutput
-from services.engine.request import RemoteKV, Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import EngineStats, ModelInfo, RequestOutput
+from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.tokenizer import load_tokenizer
+from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-LOAD_WAIT_S = 0.005  # how long a step may wait for the remote KV loads it just started
+# Builds the decode role's receiver over this engine's KV caches: (layout, caches).
+ReceiverFactory = Callable[[KVLayout, list], KVReceiver]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
         self.config = config
         t0 = time.monotonic()
         path = resolve_model_path(config.model)
@@ -52,19 +61,34 @@ class LLMEngine:
                              f"cache ({capacity} tokens); raise the KV budget")
         self.max_model_len = min(max_len, capacity)
         self.runner.allocate_kv_cache(num_blocks)
+        self.kv_layout = KVLayout(model=self.model_name, dtype=config.dtype,
+                                  block_size=config.block_size,
+                                  num_layers=model_config.num_layers,
+                                  num_kv_heads=model_config.num_kv_heads,
+                                  head_dim=model_config.head_dim)
+        receiver = kv_receiver(self.kv_layout, self.kv_caches) if kv_receiver else None
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy)
-        self.scheduler.lease_timeout_s = config.kv_lease_timeout_s
-        self.scheduler.load_failure_policy = config.kv_load_failure_policy
-        # Decode role: pulls remote KV (a kv_transfer receiver), set by the worker.
-        self.kv_receiver = None
+                                   self.max_model_len, config.scheduling_policy,
+                                   receiver=receiver,
+                                   lease_timeout_s=config.kv_lease_timeout_s,
+                                   load_failure_policy=config.kv_load_failure_policy)
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
+        self.model_info = ModelInfo(
+            model=self.model_name, architecture=model_config.architecture,
+            max_model_len=self.max_model_len, vocab_size=model_config.vocab_size,
+            eos_token_ids=tuple(model_config.eos_token_ids), block_size=config.block_size,
+            dtype=config.dtype)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         log.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.monotonic() - t0,
                  model_config.architecture, config.dtype, self.max_model_len)
+
+    @property
+    def kv_caches(self) -> list:
+        """One tensor per layer, `[K|V, kv_head, block, offset, head_dim]` (kv_transfer)."""
+        return self.runner.kv_caches
 
     # ---- requests -------------------------------------------------------------------
 
@@ -74,8 +98,8 @@ class LLMEngine:
         """Validate and queue a request; raise ValueError (nothing queued) on bad input.
 
         `kv_hold` (prefill role): the request ends after its first token unless that token
-        finishes it, and its blocks stay held (`kv_block_ids` in that output) until
-        release_lease() or the lease timeout.
+        finishes it, and its blocks stay held under a lease (`kv_block_ids` and
+        `kv_lease_id` in that output) until release_lease() or the lease timeout.
         """
         req = self._make_request(prompt, params, request_id, priority, cache_salt)
         req.kv_hold = kv_hold
@@ -83,51 +107,45 @@ class LLMEngine:
         return req.request_id
 
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
-                           remote: RemoteKV, params: SamplingParams | None = None,
+                           handle: KVHandle, params: SamplingParams | None = None,
                            request_id: str | None = None, priority: int = 0,
                            cache_salt: str | None = None) -> str:
         """Decode role: continue a request whose prompt KV sits on another engine and whose
-        first token was sampled there. Only blocks missing from our prefix cache are pulled
-        (through `kv_receiver`); the request then decodes in the running batch."""
-        if self.kv_receiver is None:
-            raise ValueError("this engine has no KV receiver: it cannot take remote KV")
+        first token was sampled there. Only blocks missing from our prefix cache are pulled;
+        the request then decodes in the running batch."""
         n = len(prompt_token_ids)
-        if remote.num_tokens != n:
-            raise ValueError(f"remote KV holds {remote.num_tokens} tokens, the prompt has {n}")
+        if handle.num_tokens != n:
+            raise ValueError(f"remote KV holds {handle.num_tokens} tokens, the prompt has {n}")
         need = -(-n // self.config.block_size)
-        if len(remote.block_ids) != need:
-            raise ValueError(f"remote KV has {len(remote.block_ids)} blocks, {n} tokens need "
+        if len(handle.block_ids) != need:
+            raise ValueError(f"remote KV has {len(handle.block_ids)} blocks, {n} tokens need "
                              f"{need}")
         return self.resume_request(prompt_token_ids, [first_token], params, request_id,
-                                   priority, cache_salt, remote)
+                                   priority, cache_salt, handle)
 
     def resume_request(self, prompt_token_ids: list[int], output_token_ids: list[int],
                        params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       remote: RemoteKV | None = None) -> str:
+                       handle: KVHandle | None = None) -> str:
         """Continue a request whose first outputs were sampled elsewhere (a prefill engine,
-        or a decode engine that died): without `remote`, its KV is computed here. The
+        or a decode engine that died): without a handle, its KV is computed here. The
         outputs count toward max_tokens, and the detokenizer and a seeded generator are
         brought to the state they would have had, so the stream goes on seamlessly."""
         req = self._make_request(list(prompt_token_ids), params, request_id, priority,
                                  cache_salt)
-        params = req.params
         outs = list(output_token_ids)
         vocab = self.model_config.vocab_size
         bad = next((t for t in outs if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"output token id {bad} is outside the vocabulary [0, {vocab})")
-        if (len(outs) >= params.max_tokens
+        if (len(outs) >= req.params.max_tokens
                 or req.num_prompt_tokens + len(outs) >= self.max_model_len):
             raise ValueError("nothing left to decode: max_tokens or max_model_len is reached")
         req.token_ids.extend(outs)
-        req.remote = remote
+        req.remote = handle
         self._queue(req)
-        if req.generator is not None and not params.greedy:
-            # The other engine drew once from this seed per token it sampled; draw the same
-            # noise here. (sampler.py: one Exponential(1) vector of vocab size per token.)
-            for _ in outs:
-                torch.empty(vocab).exponential_(generator=req.generator)
+        if req.generator is not None and not req.params.greedy:
+            self.runner.sampler.advance(req.generator, vocab, len(outs))
         # Those tokens' text was already streamed; replaying them puts this detokenizer in
         # the same state (held-back bytes and stop-string tail).
         self._detok[req.request_id].update(outs)
@@ -176,31 +194,54 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; for a prefilled one, release its held blocks."""
-        self.scheduler.release_lease(request_id)
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
-        detok = self._detok.pop(request_id)
-        return self._output(req, [], detok.flush(), detok)
+        return self._output(req, [], "", self._detok[request_id])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def release_lease(self, request_id: str) -> bool:
-        """Prefill role: free the blocks held for a handed-off request."""
-        return self.scheduler.release_lease(request_id)
+    def fail_all(self) -> None:
+        """After a failed step: abort every request and lease, and drop the prefix cache
+        (the step's blocks were published but maybe never written)."""
+        for rid in list(self.scheduler.requests) + list(self.scheduler.leases):
+            try:
+                self.abort_request(rid)
+            except Exception:  # noqa: BLE001 - end every other one whatever this one hit
+                log.exception("abort of %s failed", rid)
+        self.reset_prefix_cache()
 
-    def stats(self) -> dict[str, int | float]:
-        """Load and memory figures for routing and for tests of the pool invariant."""
-        s = self.scheduler
-        return {"num_waiting": len(s.waiting), "num_running": len(s.running),
-                "num_loading": len(s.loading), "num_leases": len(s.leases),
-                "num_blocks": self.pool.num_blocks - 1, "num_free_blocks":
-                self.pool.num_free_blocks, "kv_usage": self.kv.usage,
-                "num_blocks_pulled": s.num_blocks_pulled,
-                "num_blocks_local": s.num_blocks_local, "num_preemptions": s.num_preemptions,
-                "num_load_failures": s.num_load_failures,
-                "num_leases_expired": s.num_leases_expired}
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- leases (prefill role) ------------------------------------------------------
+
+    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        """Free the blocks held for a handed-off request: True iff that lease (any lease
+        of the request, when `lease_id` is None) was still held."""
+        return self.scheduler.release_lease(request_id, lease_id)
+
+    def lease_blocks(self, request_id: str, lease_id: int) -> list[int] | None:
+        """The blocks held under that exact lease, or None if it is not held."""
+        return self.scheduler.leases.blocks(request_id, lease_id)
+
+    def expire_leases(self) -> list[str]:
+        return self.scheduler.expire_leases(time.monotonic())
+
+    def stats(self) -> EngineStats:
+        s, loader = self.scheduler, self.scheduler.loader
+        return EngineStats(
+            num_waiting=len(s.waiting), num_running=len(s.running),
+            num_loading=s.num_loading, num_leases=len(s.leases),
+            num_blocks=self.pool.num_blocks - 1, num_free_blocks=self.pool.num_free_blocks,
+            num_blocks_pulled=loader.num_blocks_pulled if loader else 0,
+            num_blocks_local=loader.num_blocks_local if loader else 0,
+            num_preemptions=s.num_preemptions,
+            num_load_failures=loader.num_failures if loader else 0,
+            num_leases_expired=s.leases.num_expired,
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits)
 
     # ---- prefix cache ---------------------------------------------------------------
 
@@ -217,86 +258,35 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that advanced
-        (or failed). Also moves remote KV loads along and expires stale leases."""
-        outputs = self._poll_loads()
-        self.scheduler.expire_leases(time.monotonic())
-        loads = self.scheduler.schedule_loads()
-        if loads:
-            self._start_loads(loads)
-            outputs += self._wait_loads(LOAD_WAIT_S)
+        """Schedule, run the model once, update: an output for every request that got a
+        token or ended. Stale leases expire first."""
+        self.expire_leases()
         sched = self.scheduler.schedule()
-        self._start_loads(sched.loads)
+        outputs = [self._output(req, [], "", self._detok[req.request_id])
+                   for req in sched.finished]
         if not sched.scheduled:
             return outputs
-        sampled = self.runner.execute(sched, self.kv)
-        advanced = self.scheduler.update(sched, {k: v.token_id for k, v in sampled.items()})
-        for req in advanced:
-            s = sampled[req.request_id]
-            if req.params.logprobs is not None:
-                req.logprobs.append(s.logprobs or {})
-            detok = self._detok[req.request_id]
-            delta = detok.update([s.token_id])
-            if detok.stop_matched is not None:
-                if not req.status.finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                else:  # a length limit on the same token: the stop string wins (as vLLM)
-                    if req.status == RequestStatus.PREFILLED:  # nothing left to hand off
-                        self.scheduler.release_lease(req.request_id)
-                    req.status = RequestStatus.FINISHED_STOPPED
-            elif req.status.finished and req.status != RequestStatus.PREFILLED:
-                delta += detok.flush()
-            outputs.append(self._output(req, [s.token_id], delta, detok))
-            if req.status.finished:
-                del self._detok[req.request_id]
-        return outputs
-
-    def _start_loads(self, loads) -> None:
-        for req, remote_ids, local_ids in loads:
-            req.load_start = time.monotonic()
-            if remote_ids:
-                self.kv_receiver.start_load(req.request_id, req.remote.engine_id, remote_ids,
-                                            local_ids)
-            else:  # every remote block was in our own prefix cache
-                self.scheduler.finish_load(req.request_id, None)
-
-    def _wait_loads(self, budget_s: float) -> list[RequestOutput]:
-        """Poll the loads just started for up to `budget_s`: a prompt's blocks are a few MB
-        and usually land within a millisecond or two, and then the request decodes in this
-        step instead of the next (a whole step later)."""
-        deadline = time.monotonic() + budget_s
-        outputs = self._poll_loads()
-        while self.scheduler.loading and time.monotonic() < deadline:
-            time.sleep(0.0002)
-            outputs += self._poll_loads()
-        return outputs
-
-    def _poll_loads(self) -> list[RequestOutput]:
-        """Finish every remote KV load the transport reports done; report failed ones."""
-        outputs = []
-        expired = set(self.scheduler.take_expired_loads())
-        for rid in list(self.scheduler.loading):
-            if rid in expired:
-                state, error = TransferState.FAILED, "the prefill worker's lease expired"
-            else:
-                state, error = self.kv_receiver.poll(rid)
-            if state not in (TransferState.SUCCESS, TransferState.FAILED):
-                continue
-            req = self.scheduler.finish_load(rid, None if state == TransferState.SUCCESS else
-                                             error or "transfer failed")
-            if req is not None and req.status.finished:
-                detok = self._detok.pop(rid)
-                outputs.append(self._output(req, [], "", detok))
+        sampled = self.runner.execute(sched)
+        deltas = {rid: self._detok[rid].update([s.token_id]) for rid, s in sampled.items()}
+        stopped = {rid for rid in sampled if self._detok[rid].stop_matched is not None}
+        for req in self.scheduler.update(sched, sampled, stopped):
+            rid = req.request_id
+            outputs.append(self._output(req, [sampled[rid].token_id], deltas[rid],
+                                        self._detok[rid]))
         return outputs
 
     def _output(self, req: Request, new_ids: list[int], delta: str,
                 detok: IncrementalDetokenizer) -> RequestOutput:
-        finished = req.status.finished
+        status = req.status
+        prefilled = status == RequestStatus.PREFILLED
+        if status.finished:
+            if not prefilled and detok.stop_matched is None:
+                delta += detok.flush()
+            self._detok.pop(req.request_id, None)
         stop_reason = None
-        if req.status == RequestStatus.FINISHED_STOPPED:
+        if status == RequestStatus.FINISHED_STOPPED:
             last = req.token_ids[-1]
             stop_reason = detok.stop_matched or (last if last in req.stop_ids else None)
-        prefilled = req.status == RequestStatus.PREFILLED
         t_sched, t_first = req.scheduled_time, req.first_token_time
         return RequestOutput(
             request_id=req.request_id,
@@ -305,13 +295,14 @@ class LLMEngine:
             text=detok.text,
             new_token_ids=new_ids,
             new_text=delta,
-            finish_reason=req.status.value if finished and not prefilled else None,
+            finish_reason=status.value if status.finished and not prefilled else None,
             stop_reason=stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_preemptions=req.num_preemptions,
             error=req.error,
             kv_block_ids=self.kv.block_ids(req.request_id) if prefilled else None,
+            kv_lease_id=req.lease_id if prefilled else None,
             queue_time=None if t_sched is None else t_sched - req.arrival_time,
             prefill_time=None if t_first is None or t_sched is None else t_first - t_sched,
             transfer_time=(None if req.load_end is None or req.load_start is None

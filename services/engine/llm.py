@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.engine import LLMEngine, ReceiverFactory
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.serving.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, kv_receiver: ReceiverFactory | None = None,
+                 **kwargs):
         """kwargs are EngineConfig fields: dtype, block_size, max_num_seqs,
-        max_num_batched_tokens, kv_cache_gib, max_model_len, enforce_eager, ..."""
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        max_num_batched_tokens, kv_cache_gib, max_model_len, enforce_eager, ...
+        `kv_receiver` builds a KV receiver over the engine's caches (decode role)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), kv_receiver=kv_receiver)
 
     @property
     def tokenizer(self):

@@ -7,7 +7,6 @@ requests whose computed count reaches their token count this step produce logits
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,21 +15,15 @@ import kernels
 from kernels.metadata import AttentionMetadata, count_shared_blocks
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphRunner
-from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.model_config import ModelConfig
 from services.engine.models.llama import MODELS
+from services.engine.outputs import SampledToken
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow, to_device
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SchedulerOutput
+from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None  # the sampled token and the top N, if asked
 
 
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -135,7 +128,7 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
         # Decodes sorted by length, so the attention kernel pads each group of them little.
         entries = sched.scheduled
         num_decodes = next((i for i, (_, n) in enumerate(entries) if n > 1), len(entries))
@@ -155,7 +148,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            tables.append(kv.block_ids(req.request_id))
+            tables.append(sched.block_ids[req.request_id])
             if start + n == req.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 samplers.append(req)
@@ -215,7 +208,7 @@ class ModelRunner:
 def _shared_prefill_blocks(entries, num_decodes: int, table: torch.Tensor,
                            block_size: int) -> int:
     """Blocks shared by the cached prefixes of the prefill chunks that have at least one
-    cached block (the others take the plain paths; see kernels/cpu.py)."""
+    cached block (the others take the plain paths; see kernels/torch_attn.py)."""
     rows = [i for i, (r, _) in enumerate(entries) if i >= num_decodes
             and r.num_computed_tokens >= block_size]
     if len(rows) < 2:

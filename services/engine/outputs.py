@@ -1,8 +1,15 @@
-"""What the engine returns for a request: at each step (deltas) and at the end."""
+"""What the engine returns: per request at each step (deltas and the end), the token each
+sampling row drew, and the engine's own figures (stats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None  # the sampled token and the top N, if asked
 
 
 @dataclass
@@ -19,8 +26,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None  # why an aborted request failed (e.g. its KV transfer)
-    # Prefill role: set on the output that hands the request off, with the blocks held.
+    # Prefill role: set on the output that hands the request off: the blocks held, and
+    # the lease they are held under.
     kv_block_ids: list[int] | None = None
+    kv_lease_id: int | None = None
     # Seconds: waiting before first scheduled, first scheduled to first token, remote KV
     # load. None where they do not apply (yet).
     queue_time: float | None = None
@@ -30,3 +39,46 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def handed_off(self) -> bool:
+        """Prefill role: the request goes on elsewhere; its blocks are held for that."""
+        return self.kv_block_ids is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load and memory figures, for routing and for the pool invariant in tests: after
+    the last request ends, num_free_blocks == num_blocks and every count is 0."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_loading: int = 0  # decode role: requests whose KV is being pulled
+    num_leases: int = 0  # prefill role: requests whose KV is held for a decode worker
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_blocks_pulled: int = 0
+    num_blocks_local: int = 0
+    num_preemptions: int = 0
+    num_load_failures: int = 0
+    num_leases_expired: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found cached
+
+    @property
+    def idle(self) -> bool:
+        return (self.num_waiting == self.num_running == self.num_loading
+                == self.num_leases == 0)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a worker tells the router about its model."""
+
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    dtype: str

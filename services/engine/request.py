@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from kv_transfer.base import KVHandle
+from services.serving.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -23,19 +23,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("prefilled", "stop", "length", "abort")
-
-
-@dataclass(frozen=True)
-class RemoteKV:
-    """Where a decode-role request's prompt KV lives: the prefill engine, its block ids
-    (in order, the last maybe partial) and the number of prompt tokens they hold."""
-
-    engine_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    # Monotonic time (ours) by which the pull must be done: the prefill engine may free the
-    # blocks after it. The sender's remaining lease time, less a margin for transit.
-    deadline: float = float("inf")
 
 
 class Request:
@@ -66,10 +53,11 @@ class Request:
         self.cache_salt = cache_salt.encode() if cache_salt else b""
         self.block_hashes: list[bytes] = []  # one per full block of token_ids, chained
         self.num_cached_tokens = -1  # prompt tokens found cached at first admission
-        # Disaggregation: hold the KV after the first token (prefill role), or take the
-        # prompt's KV from a remote engine (decode role).
+        # Disaggregation: hold the KV after the first token (prefill role; `lease_id` once
+        # held), or take the prompt's KV from a remote engine (decode role).
         self.kv_hold = False
-        self.remote: RemoteKV | None = None
+        self.lease_id: int | None = None
+        self.remote: KVHandle | None = None
         self.error: str | None = None  # why an aborted request failed, if it did
         # Timings (monotonic seconds): first scheduled, first token, remote KV load.
         self.scheduled_time: float | None = None

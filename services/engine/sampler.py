@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.serving.sampling_params import SamplingParams
 
 
 @dataclass
@@ -114,6 +114,14 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # for rows without a seed; None = torch's default RNG
+
+    @staticmethod
+    def advance(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:
+        """Bring a seeded generator to where it would be after this sampler had drawn
+        `num_tokens` tokens with it (another engine drew them: a migration, or a prefill
+        worker's first token). Each draw of a seeded row is one vector in `_noise`."""
+        for _ in range(num_tokens):
+            torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
 
     def _noise(self, rows: list[SamplingRow], v: int, device: torch.device) -> torch.Tensor:
         """Exponential(1) noise [len(rows), V]; a seeded row's draw uses only its generator."""

@@ -8,12 +8,15 @@ that would run last (the lowest priority, or the latest arrival) is preempted: i
 are freed, its computed count is reset, and it goes back to the front of the waiting
 queue to recompute later.
 
-Disaggregation adds two states outside the running set. A decode-role request whose prompt
-KV lives on a prefill engine is admitted like any waiting request, but only the blocks its
-own prefix cache lacks are allocated unpublished and listed in `loads`; it waits in
-`loading` (WAITING_FOR_KV) until the engine reports the copy done, then joins `running`
-with its whole prompt computed. A prefill-role request (`kv_hold`) ends after its first
-token as PREFILLED: its blocks stay allocated under a lease until released or expired.
+Disaggregation adds two outcomes, each kept by one component:
+- decode role: a request whose prompt KV sits on a prefill engine (`request.remote`) is
+  admitted like any waiting request, but instead of computing its prompt it starts a
+  pull (RemoteKVLoader) and waits as WAITING_FOR_KV until that lands; then it runs with
+  its prompt computed. A failed pull follows the load-failure policy.
+- prefill role: a `kv_hold` request ends after its first token as PREFILLED, its blocks
+  held under a lease (LeaseTable) until released or expired.
+
+Only this class sets a request's status.
 """
 
 from __future__ import annotations
@@ -24,20 +27,27 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kv_transfer.base import KVReceiver
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_loader import RemoteKVLoader
+from services.engine.leases import LeaseTable
+from services.engine.outputs import SampledToken
 from services.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 0.005  # how long a schedule may wait for the remote KV pulls it just started
+
 
 @dataclass
 class SchedulerOutput:
-    """Requests to run this step with their token counts, one-token entries first."""
+    """What one step runs: requests with their token counts (one-token entries first) and
+    every scheduled request's block ids; and what ended or moved without running."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
-    # Remote KV to pull: (request, remote block ids, local block ids), same order.
-    loads: list[tuple[Request, list[int], list[int]]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # a failed pull under "fail"
 
 
 class WaitingQueue:
@@ -73,9 +83,14 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs"):
+                 max_model_len: int, policy: str = "fcfs",
+                 receiver: KVReceiver | None = None, lease_timeout_s: float = 30.0,
+                 load_failure_policy: str = "recompute"):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        if load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("load failure policy must be 'recompute' or 'fail', got "
+                             f"{load_failure_policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,34 +98,57 @@ class Scheduler:
         self.priority_policy = policy == "priority"
         self.waiting = WaitingQueue(self.priority_policy)
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every live request, leases excluded
+        self.leases = LeaseTable(kv, lease_timeout_s)
+        self.loader = RemoteKVLoader(kv, receiver) if receiver is not None else None
+        self.load_failure_policy = load_failure_policy
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
-        # Requests whose remote KV is in flight, aborted ones included: their blocks may
-        # still be written by the transport, so they are freed only when it reports done.
-        self.loading: dict[str, Request] = {}
-        self.leases: dict[str, tuple[Request, float]] = {}  # id -> (request, expiry)
-        self.lease_timeout_s = 30.0
-        self.num_blocks_pulled = 0  # remote blocks loaded (decode role)
-        self.num_blocks_local = 0  # remote prompt blocks found in our own prefix cache
-        self._expired: list[str] = []  # loading requests whose lease ran out before a pull
-        # A failed pull: "recompute" the prompt locally (default), or "fail" the request.
-        self.load_failure_policy = "recompute"
-        self.num_load_failures = 0
-        self.num_leases_expired = 0
+
+    # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if (request.request_id in self.requests or request.request_id in self.loading
-                or request.request_id in self.leases):
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        rid = request.request_id
+        if rid in self.requests or rid in self.leases or (
+                self.loader is not None and rid in self.loader.loading):
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.remote is not None and self.loader is None:
+            raise ValueError("this engine has no KV receiver: it cannot take remote KV")
+        self.requests[rid] = request
         self.waiting.push(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.loading)
+        return bool(self.requests) or (self.loader is not None and self.loader.busy)
+
+    @property
+    def num_loading(self) -> int:
+        return 0 if self.loader is None else len(self.loader.loading)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request wherever it is. A PREFILLED one has no request left, only its
+        lease: that is released (and None returned)."""
+        self.leases.release(request_id)
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        return self.leases.release(request_id, lease_id)
+
+    def expire_leases(self, now: float) -> list[str]:
+        return self.leases.expire(now)
+
+    # ---- the step -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._land_loads(out)
+        # Remote requests at the head of the queue start their pulls first, and the step
+        # waits a moment for them: a pull that lands at once decodes in this very step.
+        if self._admit_waiting(out, budget=0, remote_only=True)[1]:
+            self.loader.wait(LOAD_WAIT_S)
+            self._land_loads(out)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
@@ -134,13 +172,41 @@ class Scheduler:
 
         # 2. Waiting requests, while budget, sequence slots and blocks last. Not after a
         #    preemption this step: the pool is short, and newcomers would only thrash it.
-        while (not out.preempted and budget > 0 and len(self.waiting)
-               and len(self.running) + len(self.loading) < self.max_num_seqs):
+        if not out.preempted:
+            scheduled += self._admit_waiting(out, budget)[0]
+
+        self.num_partial_prefills += sum(
+            1 for r, n in scheduled if r.num_computed_tokens + n < r.num_tokens)
+        # One-token entries (decodes) first: the attention kernels batch them together.
+        out.scheduled = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
+        out.block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, remote_only: bool = False
+                       ) -> tuple[list[tuple[Request, int]], int]:
+        """The one admission path: take waiting requests in order while budget, sequence
+        slots and blocks last. A request with a KV handle starts its pull (no token
+        budget); any other gets prefix-cache hits and a first chunk. Returns the chunks to
+        run and the number of pulls started."""
+        scheduled: list[tuple[Request, int]] = []
+        pulls = 0
+        while len(self.waiting) and len(self.running) + self.num_loading < self.max_num_seqs:
             req = self.waiting.peek()
-            if req.remote is not None and req.num_computed_tokens == 0:
-                if not self._admit_remote(req, out.loads):
+            if req.remote is not None:
+                # Keep a block per running request, so a pull does not force the step
+                # that follows to preempt a running request that crosses a block boundary.
+                short = (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
+                         < len(self.running))
+                if (remote_only and short) or not self.loader.start(req):
                     break
+                self.waiting.pop()
+                req.status = RequestStatus.WAITING_FOR_KV
+                if req.scheduled_time is None:
+                    req.scheduled_time = time.monotonic()
+                pulls += 1
                 continue
+            if remote_only or budget <= 0:
+                break
             # Prefix-cache hits cost no budget: only the tokens after them are computed.
             hits = self.kv.get_computed_blocks(req)
             num_cached = len(hits) * self.kv.block_size
@@ -158,122 +224,30 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        return scheduled, pulls
 
-        self.num_partial_prefills += sum(
-            1 for r, n in scheduled if r.num_computed_tokens + n < r.num_tokens)
-        # One-token entries (decodes) first: the attention kernels batch them together.
-        out.scheduled = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
-        return out
-
-    def schedule_loads(self) -> list[tuple[Request, list[int], list[int]]]:
-        """Admit the remote-KV requests at the head of the waiting queue, before the step
-        is scheduled: a transport that finishes at once lets them decode in this step."""
-        loads: list[tuple[Request, list[int], list[int]]] = []
-        while (len(self.waiting) and len(self.running) + len(self.loading) < self.max_num_seqs):
-            req = self.waiting.peek()
-            if req.remote is None or req.num_computed_tokens != 0:
-                break
-            # Keep a block per running request, so admitting one does not force the step
-            # that follows to preempt a running request that crosses a block boundary.
-            if (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
-                    < len(self.running)):
-                break
-            if not self._admit_remote(req, loads):
-                break
-        return loads
-
-    def _admit_remote(self, req: Request, loads: list) -> bool:
-        """Allocate a decode-role request's prompt blocks: prefix-cache hits are kept, the
-        rest are listed for the transport and published only once filled. Costs no token
-        budget. False if the pool is short."""
-        remote = req.remote
-        assert remote is not None
-        if time.monotonic() > remote.deadline:
-            # The prefill engine may have freed (and reused) those blocks by now.
-            self.waiting.pop()
-            self.loading[req.request_id] = req
-            req.status = RequestStatus.WAITING_FOR_KV
-            req.load_start = time.monotonic()
-            self._expired.append(req.request_id)
-            return True
-        hits = self.kv.get_computed_blocks(req)[:len(remote.block_ids)]
-        num_local = len(hits) * self.kv.block_size
-        if not self.kv.allocate_slots(req, remote.num_tokens - num_local, hits, publish=False):
-            return False
-        self.waiting.pop()
-        req.num_computed_tokens = num_local
-        req.num_cached_tokens = num_local
-        self.kv.record_lookup(remote.num_tokens, num_local)
-        req.scheduled_time = time.monotonic()
-        local_ids = self.kv.block_ids(req.request_id)[len(hits):]
-        self.num_blocks_local += len(hits)
-        self.num_blocks_pulled += len(local_ids)
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.loading[req.request_id] = req
-        loads.append((req, list(remote.block_ids[len(hits):]), local_ids))
-        return True
-
-    def finish_load(self, request_id: str, error: str | None) -> Request | None:
-        """The transport is done with this request's blocks. On success the request joins
-        the running set with its prompt computed; on failure it ends aborted. Returns the
-        request if it is still live (not aborted while loading)."""
-        req = self.loading.pop(request_id, None)
-        if req is None:
-            return None
-        req.load_end = time.monotonic()
-        if req.status != RequestStatus.WAITING_FOR_KV:  # aborted meanwhile: free now
-            self.kv.free(req)
-            return None
-        assert req.remote is not None
-        if error is None and req.load_end > req.remote.deadline:
-            error = "the load ended after the prefill worker's lease may have expired"
-        if error is not None:
-            self.num_load_failures += 1
-            self.kv.free(req)
-            if self.load_failure_policy == "recompute":
-                # Prefill the prompt (and the first token) here instead, and carry on.
-                log.warning("KV load of %s failed (%s); recomputing it locally", request_id,
-                            error)
+    def _land_loads(self, out: SchedulerOutput) -> None:
+        """Pulls that ended: run the request, or apply the load-failure policy."""
+        if self.loader is None:
+            return
+        for req, error in self.loader.land():
+            if error is None:
+                # The KV is ours now: a preemption from here on recomputes it locally.
+                req.remote = None
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            elif self.load_failure_policy == "recompute":
+                log.warning("KV pull of %s failed (%s); recomputing it locally",
+                            req.request_id, error)
                 req.remote = None
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.push(req)
-                return req
-            req.error = f"KV transfer failed: {error}"
-            self.requests.pop(request_id, None)
-            req.status = RequestStatus.FINISHED_ABORTED
-            return req
-        req.num_computed_tokens = req.remote.num_tokens
-        self.kv.publish(req, req.num_computed_tokens)
-        # The KV is ours now: a preemption from here on recomputes it locally (the prefill
-        # worker's copy is released once we report the load done).
-        req.remote = None
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        return req
-
-    def take_expired_loads(self) -> list[str]:
-        """Requests admitted with an expired lease: fail them without pulling."""
-        expired, self._expired = self._expired, []
-        return expired
-
-    def release_lease(self, request_id: str) -> bool:
-        """Free a prefill-role request's held blocks. False if there was no such lease."""
-        entry = self.leases.pop(request_id, None)
-        if entry is None:
-            return False
-        self.kv.free(entry[0])
-        return True
-
-    def expire_leases(self, now: float) -> list[str]:
-        """Release every lease past its expiry: a decode worker that never came back."""
-        expired = [rid for rid, (_, t) in self.leases.items() if t <= now]
-        for rid in expired:
-            log.warning("KV lease of %s expired after %.0fs: no decode worker pulled it",
-                        rid, self.lease_timeout_s)
-            self.release_lease(rid)
-        self.num_leases_expired += len(expired)
-        return expired
+            else:
+                req.error = f"KV transfer failed: {error}"
+                self.requests.pop(req.request_id, None)
+                req.status = RequestStatus.FINISHED_ABORTED
+                out.finished.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -283,26 +257,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts and append the sampled tokens. `sampled` maps request ids
-        to their new token for the requests that caught up this step. Returns the requests
-        that got a token; those that hit a stop condition are finished and freed.
-        """
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+               stopped_by_string: set[str]) -> list[Request]:
+        """Advance computed counts and append the sampled tokens. `sampled` holds the new
+        token of each request that caught up this step; `stopped_by_string` the ids whose
+        text now ends in a stop string (the detokenizer's finding). Returns the requests
+        that got a token; those that hit a stop condition are finished (their blocks
+        freed, or held under a lease for PREFILLED)."""
         got_token = []
         for req, n in out.scheduled:
             req.num_computed_tokens += n
-            token = sampled.get(req.request_id)
-            if token is None:
+            s = sampled.get(req.request_id)
+            if s is None:
                 continue  # a prefill chunk that has not reached the end yet
-            req.token_ids.append(token)
+            req.token_ids.append(s.token_id)
+            if req.params.logprobs is not None:
+                req.logprobs.append(s.logprobs or {})
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             got_token.append(req)
-            status = self._check_stop(req, token)
+            # A stop string wins over a length limit hit by the same token (as vLLM).
+            if req.request_id in stopped_by_string:
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                status = self._check_stop(req, s.token_id)
             if status is None and req.kv_hold:
                 status = RequestStatus.PREFILLED
             if status is not None:
-                self.finish(req, status)
+                self._finish(req, status)
         return got_token
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -312,10 +294,10 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request for good: free its blocks and forget it. Safe to call once per id.
-        PREFILLED keeps the blocks under a lease; a request still loading keeps them until
-        the transport is done (finish_load frees them)."""
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request for good: free its blocks and forget it. PREFILLED keeps the
+        blocks under a lease; a request still loading keeps them until the receiver lets
+        go (the loader frees them then)."""
         if self.requests.pop(req.request_id, None) is None:
             return
         if req.status == RequestStatus.RUNNING:
@@ -324,13 +306,9 @@ class Scheduler:
             self.waiting.remove(req)
         loading = req.status == RequestStatus.WAITING_FOR_KV
         req.status = status
-        if status == RequestStatus.PREFILLED:
-            self.leases[req.request_id] = (req, time.monotonic() + self.lease_timeout_s)
-        elif not loading:
+        if loading:
+            self.loader.abandon(req)
+        elif status == RequestStatus.PREFILLED:
+            req.lease_id = self.leases.grant(req, time.monotonic())
+        else:
             self.kv.free(req)
-
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.finish(req, RequestStatus.FINISHED_ABORTED)
-        return req

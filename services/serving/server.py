@@ -1,59 +1,201 @@
-"""The aio gRPC server bootstrap every Baton service uses: standard health and reflection,
-message limits, and a graceful stop on SIGINT/SIGTERM (health goes NOT_SERVING, in-flight
-RPCs get a grace period, then the process's cleanup runs)."""
+"""The aio gRPC server every Baton service runs: standard health and reflection, message
+limits, one interceptor that turns exceptions into status codes (services/serving/
+errors.py), and a drain on SIGINT/SIGTERM:
+
+    SIGTERM ─> health NOT_SERVING, new work refused (UNAVAILABLE "draining"), every
+               other call still served (stats, lease release, KV reads, health)
+            ─> wait until the service is idle (its `idle()`, and no work call in
+               flight) or `grace_s` has passed
+            ─> stop the server, then the service's own cleanup (`on_stop`)
+
+"New work" is the methods a service names in `Lifecycle(work_methods)`: Generate,
+Prefill, Decode. A draining prefill worker thus finishes its prompts and keeps its
+leases until the decode workers have pulled them; the router keeps using its pairs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kv_transfer.base import IncompatibleLayout
+from services.serving.errors import ServiceError, retry_metadata
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+DRAIN_POLL_S = 0.05
+DRAIN_GRACE_S = 30.0  # on SIGTERM, how long in-flight work may take (every service)
+SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                        health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class Lifecycle:
+    """A service's state, shared by its servicers, its interceptor and its drain."""
+
+    def __init__(self, work_methods: tuple[str, ...] = ()):
+        self.work_methods = set(work_methods)  # full names: "/pkg.Service/Method"
+        self.draining = False
+        self.inflight = 0  # work calls in flight
+        self.health = HealthServicer()
+        self.names: list[str] = []  # the service names health advertises
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING for every service here (never SERVING while draining)."""
+        status = SERVING if serving and not self.draining else NOT_SERVING
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, ServiceError):
+        return e.code, str(e)
+    if isinstance(e, IncompatibleLayout):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, (ValueError, TypeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+async def _abort(context, e: Exception, method: str):
+    code, details = status_of(e)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(e, ServiceError):
+        log.error("%s failed", method, exc_info=e)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        context.set_trailing_metadata(retry_metadata(getattr(e, "retry_after_s", None) or 1.0))
+    await context.abort(code, details)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes; refuses and counts work calls (see Lifecycle)."""
+
+    def __init__(self, lifecycle: Lifecycle):
+        self.lifecycle = lifecycle
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method, state = details.method, self.lifecycle
+        work = method in state.work_methods
+
+        async def refuse_if_draining(context) -> None:
+            if work and state.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"draining: this service takes no new {method} calls")
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                await refuse_if_draining(context)
+                state.inflight += work
+                try:
+                    return await inner(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - every error gets its status
+                    await _abort(context, e, method)
+                finally:
+                    state.inflight -= work
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                await refuse_if_draining(context)
+                state.inflight += work
+                try:
+                    # aclosing: a cancelled call closes the handler's generator now.
+                    async with aclosing(inner_stream(request, context)) as replies:
+                        async for reply in replies:
+                            yield reply
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    await _abort(context, e, method)
+                finally:
+                    state.inflight -= work
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # client streaming: none of ours
 
 
 async def run_server(address: str, register: Callable[[grpc.aio.Server], list[str]],
+                     lifecycle: Lifecycle | None = None,
+                     idle: Callable[[], bool] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None,
-                     grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. `register` adds the servicers and returns their full
-    service names, which health and reflection then advertise."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    names = register(server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
-    if port == 0:
+                     grace_s: float = DRAIN_GRACE_S, serving_at_start: bool = True,
+                     on_start: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain (above). `register` adds the servicers and
+    returns their full service names, which health and reflection advertise; `on_start`
+    runs once the server listens."""
+    state = lifecycle or Lifecycle()
+    server = make_server(register, state)
+    if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot listen on {address}")
     await server.start()
-    for name in ("", *names):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s", ", ".join(names), address)
+    await state.set_serving(serving_at_start)
+    log.info("serving %s on %s", ", ".join(state.names), address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
+    if on_start is not None:
+        await on_start()
     await stop.wait()
-    log.info("stopping: draining for up to %.0fs", grace_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    await drain(state, idle, grace_s)
+    await server.stop(1.0)
     if on_stop is not None:
         await on_stop()
+
+
+def make_server(register: Callable[[grpc.aio.Server], list[str]], state: Lifecycle
+                ) -> grpc.aio.Server:
+    """A server with the interceptor, the servicers, health and reflection (no port)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor(state)])
+    state.names = register(server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    reflection.enable_server_reflection(
+        [*state.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    return server
+
+
+async def drain(state: Lifecycle, idle: Callable[[], bool] | None, grace_s: float) -> None:
+    log.info("draining: up to %.0fs for the work in flight", grace_s)
+    state.draining = True
+    await state.set_serving(False)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if state.inflight == 0 and (idle is None or idle()):
+            log.info("drained")
+            return
+        await asyncio.sleep(DRAIN_POLL_S)
+    log.warning("drain grace of %.0fs ran out with work in flight", grace_s)
 
 
 def service_name(module, service: str) -> str:
     """Full name of a service from a generated _pb2 module."""
     return module.DESCRIPTOR.services_by_name[service].full_name
+
+
+def method_name(module, service: str, method: str) -> str:
+    """Full name of a method, as interceptors see it: "/pkg.Service/Method"."""
+    return f"/{service_name(module, service)}/{method}"

@@ -3,11 +3,13 @@ talk to it through calls queued between steps and per-request output queues.
 
     handler (event loop)            engine thread
     ------------------------        ----------------------------------------------
-    generate(rid, add) ---call---> add(engine)            (ValueError goes back)
+    generate(rid, add) ---call---> admit: add(engine)     (ValueError goes back)
         await queue.get()  <------ step() outputs, via loop.call_soon_threadsafe
-    abort(rid) ----------call---> engine.abort_request(rid)
+    (caller leaves) -----call---> abort, if the admit ran (calls run in order)
+    stats  <---------------------- a snapshot, replaced after every loop turn
 
-The engine is not thread-safe, so every touch of it happens on the engine thread.
+The engine is not thread-safe, so every touch of it happens on the engine thread; the
+event loop reads only the snapshot.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
 from services.engine.engine import LLMEngine
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import EngineStats, RequestOutput
+from services.serving.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +32,11 @@ LOAD_WAIT_S = 0.001  # while only remote KV loads are pending: poll this often
 RETRY_AFTER_S = 1.0  # the hint given with RESOURCE_EXHAUSTED
 
 
-class Overloaded(Exception):
-    """The engine's waiting queue is full: the caller should come back later."""
-
-    def __init__(self, waiting: int, limit: int, retry_after_s: float):
-        super().__init__(f"worker at capacity: {waiting} requests waiting (limit {limit}); "
-                         f"retry after {retry_after_s:.1f}s")
-        self.retry_after_s = retry_after_s
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting  # bound on the waiting queue; None: unbounded
+        self.stats: EngineStats = engine.stats()
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -65,36 +59,49 @@ class AsyncEngine:
 
     async def generate(self, request_id: str,
                        add: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
-        """Add a request with `add(engine)` and yield its outputs until it finishes. If the
-        consumer stops early (cancellation), the request is aborted in the engine."""
+        """Add a request with `add(engine)` and yield its outputs until it finishes (or, on
+        a prefill worker, is handed off). If the consumer stops early (cancellation, even
+        while the request is being admitted), the request is aborted in the engine."""
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         entry = (asyncio.get_running_loop(), queue)
         self._queues[request_id] = entry
-        added = finished = False
+        admitted = threading.Event()  # set on the engine thread once the engine holds it
+        finished = False
 
         def admit(engine: LLMEngine):
             # Checked on the engine thread, so the count cannot change under us.
-            waiting = len(engine.scheduler.waiting)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise Overloaded(waiting, self.max_waiting, RETRY_AFTER_S)
-            return add(engine)
+            if self.max_waiting is not None and engine.num_waiting >= self.max_waiting:
+                raise Overloaded(f"worker at capacity: {engine.num_waiting} requests "
+                                 f"waiting (limit {self.max_waiting})", RETRY_AFTER_S)
+            result = add(engine)
+            admitted.set()
+            return result
+
+        def abort_if_admitted(engine: LLMEngine) -> None:
+            # Runs after `admit` (calls run in order), or instead of it if that was
+            # skipped: only a request this generator added is aborted, never another
+            # request that happens to share its id.
+            if admitted.is_set():
+                engine.abort_request(request_id)
 
         try:
             await self.call(admit)
-            added = True
             while True:
                 out = await queue.get()
                 yield out
-                if out.finished or out.kv_block_ids is not None:
+                if out.finished or out.handed_off:
                     finished = True
                     return
         finally:
             if self._queues.get(request_id) is entry:
                 del self._queues[request_id]
-            if added and not finished:
-                await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
+            if not finished:
+                try:
+                    await asyncio.shield(self.call(abort_if_admitted))
+                except RuntimeError:  # the engine stopped: nothing left to abort
+                    pass
 
     def stop(self) -> None:
         with self._lock:
@@ -106,18 +113,11 @@ class AsyncEngine:
 
     def _fail_all(self) -> list[RequestOutput]:
         """After a failed step: end every request with an error, so no stream waits for
-        outputs the step lost, and drop the prefix cache (the step's blocks were published
-        but maybe never written)."""
-        engine = self.engine
-        for rid in list(engine.scheduler.requests) + list(engine.scheduler.leases):
-            try:
-                engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - keep the thread alive whatever happens
-                log.exception("abort of %s failed", rid)
+        outputs the step lost (the engine also drops its prefix cache)."""
         try:
-            engine.reset_prefix_cache()
-        except Exception:  # noqa: BLE001
-            log.exception("prefix cache reset failed")
+            self.engine.fail_all()
+        except Exception:  # noqa: BLE001 - keep the thread alive whatever happens
+            log.exception("recovery from the failed step failed")
         return [RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="",
                               finish_reason="abort", error="internal engine error")
                 for rid in list(self._queues)]
@@ -139,8 +139,11 @@ class AsyncEngine:
                     fut.set_exception(e)
             if stopped:
                 return
+            if calls:  # e.g. a request admitted: the loop sees it waiting at once
+                self.stats = engine.stats()
             if not engine.has_unfinished_requests():
-                engine.scheduler.expire_leases(time.monotonic())
+                engine.expire_leases()
+                self.stats = engine.stats()
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
@@ -149,11 +152,12 @@ class AsyncEngine:
             except Exception:
                 log.exception("engine step failed; ending every request")
                 outputs = self._fail_all()
+            self.stats = engine.stats()
             for out in outputs:
                 entry = self._queues.get(out.request_id)
                 if entry is not None:
                     loop, queue = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
-            if not outputs and not engine.scheduler.running:
+            if not outputs and not self.stats.num_running:
                 self._wake.wait(LOAD_WAIT_S)  # only transfers in flight: don't spin
                 self._wake.clear()

@@ -13,7 +13,7 @@ import grpc
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from services.serving.launcher import is_serving
+from services.serving.processes import is_serving
 from tests.e2e.topology import ROOT, free_port
 
 
@@ -25,7 +25,7 @@ def _children(pid: int) -> list[int]:
 
 def test_up_serves_and_sigterm_stops_everything(model_path):
     ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "services.serving.cli", "up", "--port", str(ports[0]),
+    cmd = [sys.executable, "-m", "cli", "up", "--port", str(ports[0]),
            "--prefill-port", str(ports[1]), "--decode-port", str(ports[2]), "--threads", "1",
            "--kv-cache-gib", "0.25"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -50,7 +50,7 @@ def test_up_serves_and_sigterm_stops_everything(model_path):
                     break
                 except grpc.RpcError:
                     time.sleep(0.2)
-            assert sum(len(m.token_ids) for m in msgs) >= 1
+            assert sum(len(m.delta.token_ids) for m in msgs) >= 1
             info = stub.GetModelInfo(gen.GetModelInfoRequest(), timeout=5).info
             assert info.vocab_size > 0 and info.max_model_len > 0
         proc.send_signal(signal.SIGTERM)

@@ -14,8 +14,7 @@ import pytest
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from services.engine import SamplingParams
-from tests.e2e.conftest import stats
-from tests.e2e.test_disaggregated import greedy, joined, run
+from tests.e2e.helpers import greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 3
@@ -48,26 +47,15 @@ def cluster(tmp_path_factory, model_path):
         topo.stop()
 
 
-def _until_served(router: str, req: gen.GenerateRequest, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return run(router, req, timeout=60)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def test_injected_transfer_failure_recomputes_the_same_text(cluster, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    msgs = _until_served(cluster["recompute"], gen.GenerateRequest(text=PROMPT,
+    msgs = until_served(cluster["recompute"], gen.GenerateRequest(text=PROMPT,
                                                                    sampling=greedy(16)))
     assert joined(msgs) == (ref.token_ids, ref.text)
 
 
 def test_injected_transfer_failure_under_fail_policy_is_unavailable(cluster):
-    _until_served(cluster["fail"], gen.GenerateRequest(text="hi", sampling=greedy(1)))
+    until_served(cluster["fail"], gen.GenerateRequest(text="hi", sampling=greedy(1)))
     with pytest.raises(grpc.RpcError) as e:
         run(cluster["fail"], gen.GenerateRequest(text=PROMPT, sampling=greedy(16)), timeout=60)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -79,7 +67,7 @@ def test_overload_is_refused_quickly_and_admitted_requests_complete(cluster, off
     with a retry-after hint, fast; every admitted request gets the right text."""
     prompts = [f"Overload probe number {i}: say something." for i in range(16)]
     want = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    _until_served(cluster["small"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    until_served(cluster["small"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
     results: dict[int, object] = {}
     go = threading.Barrier(16)
 
@@ -111,13 +99,13 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
     prompts = [f"Drain probe {i}: count to ten slowly." for i in range(8)]
     want = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
                                                     ignore_eos=True))
-    _until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
     results: dict[int, object] = {}
 
     def client(i: int) -> None:
         time.sleep(0.15 * i)  # some before the drain, some during, some after
         try:
-            results[i] = joined(_until_served(cluster["router"], gen.GenerateRequest(
+            results[i] = joined(until_served(cluster["router"], gen.GenerateRequest(
                 text=prompts[i], sampling=greedy(24, ignore_eos=True))))
         except grpc.RpcError as e:
             results[i] = (e.code(), e.details())
@@ -136,7 +124,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0.0,
                                                     ignore_eos=True))[0]
-    _until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
     req = gen.GenerateRequest(text=PROMPT, sampling=greedy(48, ignore_eos=True))
     msgs, killed = [], []
     with channel(cluster["router"]) as ch:
@@ -159,7 +147,7 @@ def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline)
 
     def client(i: int) -> None:
         try:
-            results[i] = joined(_until_served(router, gen.GenerateRequest(
+            results[i] = joined(until_served(router, gen.GenerateRequest(
                 text=long_prompt, sampling=greedy(12))))
         except grpc.RpcError as e:
             results[i] = e.code()
@@ -167,15 +155,19 @@ def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
+    def busy() -> bool:  # admitted or prefilling a prompt
+        s = stats(cluster["p1"])
+        return s.num_waiting + s.num_running > 0
+
     deadline = time.monotonic() + 10
-    while not stats(cluster["p1"]).num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert stats(cluster["p1"]).num_running, "p1 never got a prompt to prefill"
+    while not busy() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert busy(), "p1 never got a prompt to prefill"
     cluster["topology"].kill(cluster["p1"])  # mid-prefill
     for t in threads:
         t.join(timeout=120)
     assert all(results.get(i) == (ref.token_ids, ref.text) for i in range(4)), results
     # With no prefill worker at all, the decode worker prefills itself.
     cluster["topology"].kill(cluster["p2"])
-    msgs = _until_served(router, gen.GenerateRequest(text=long_prompt, sampling=greedy(12)))
+    msgs = until_served(router, gen.GenerateRequest(text=long_prompt, sampling=greedy(12)))
     assert joined(msgs) == (ref.token_ids, ref.text)

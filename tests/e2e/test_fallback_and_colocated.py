@@ -7,8 +7,7 @@ import pytest
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from services.engine import SamplingParams
-from tests.e2e.conftest import stats
-from tests.e2e.test_disaggregated import greedy, joined, run
+from tests.e2e.helpers import greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
 PROMPTS = ["The three primary colours are", "Paged KV blocks move between workers. " * 5]
@@ -28,25 +27,11 @@ def test_grpc_fallback_gives_the_same_text(services, offline):
     want = offline.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     before = stats(services["decode"]).num_blocks_pulled
     for prompt, ref in zip(PROMPTS, want, strict=True):
-        msgs = _retry_until_paired(services["router"], prompt)
+        msgs = until_served(services["router"], gen.GenerateRequest(text=prompt,
+                                                                    sampling=greedy(24)))
         assert joined(msgs) == (ref.token_ids, ref.text)
     pulled = stats(services["decode"]).num_blocks_pulled - before
     assert pulled == sum(-(-len(r.prompt_token_ids) // 16) for r in want)
-
-
-def _retry_until_paired(router: str, prompt: str):
-    import time
-
-    import grpc
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return run(router, gen.GenerateRequest(text=prompt, sampling=greedy(24)))
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def test_colocated_serves_the_same_api(services, offline):
@@ -67,5 +52,6 @@ def test_a_restarted_prefill_worker_is_used_again(services, offline):
     topo.kill(prefill)
     topo.worker("prefill", "--kv-transport", "grpc", port=int(prefill.rsplit(":", 1)[1]))
     ref = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
-    msgs = _retry_until_paired(services["router"], PROMPTS[0])
+    msgs = until_served(services["router"], gen.GenerateRequest(text=PROMPTS[0],
+                                                                sampling=greedy(24)))
     assert joined(msgs) == (ref.token_ids, ref.text)

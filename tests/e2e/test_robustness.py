@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from tests.e2e.conftest import both_free_within, stats
+from tests.e2e.conftest import both_free_within
+from tests.e2e.helpers import all_free_within, stats
 from tests.e2e.topology import channel
 
 
@@ -95,3 +96,45 @@ def test_fuzzed_requests_get_ok_or_invalid_argument(topology, prompt, sampling, 
 
 def test_workers_are_up_and_clean_after_the_fuzzing(topology):
     assert both_free_within(topology, 5.0)
+
+
+def _short_deadline_client(router: str, round_no: int, plans: list, outcomes: dict,
+                           lock: threading.Lock) -> None:
+    with channel(router) as ch:
+        stub = gen_grpc.GenerationStub(ch)
+        while True:
+            with lock:
+                if not plans:
+                    return
+                i, deadline, max_tokens = plans.pop()
+            text = f"Round {round_no}, request {i}: a few words on harbours. " * (1 + i % 3)
+            req = gen.GenerateRequest(text=text, sampling=gen.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0))
+            try:
+                list(stub.Generate(req, timeout=deadline))
+                result = "ok"
+            except grpc.RpcError as e:
+                result = e.code().name
+            with lock:
+                outcomes[result] = outcomes.get(result, 0) + 1
+
+
+def test_deadlines_that_land_during_admission_leave_every_worker_clean(topology):
+    """Hundreds of requests whose deadlines (10 to 250 ms) land while the workers admit
+    them, round after round: after every round, every block is free and no lease held."""
+    rng = random.Random(1)
+    workers = [topology["prefill"], topology["decode"]]
+    for round_no in range(5):
+        plans = [(i, rng.uniform(0.01, 0.25), rng.randint(1, 16)) for i in range(100)]
+        outcomes: dict[str, int] = {}
+        lock = threading.Lock()
+        threads = [threading.Thread(target=_short_deadline_client, args=(
+            topology["router"], round_no, plans, outcomes, lock)) for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert set(outcomes) <= {"ok", "DEADLINE_EXCEEDED"}, outcomes
+        assert all_free_within(workers, 5.0), (
+            f"round {round_no} left work behind: {outcomes} "
+            f"{stats(topology['prefill'])} {stats(topology['decode'])}")

@@ -6,12 +6,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 
-from services.serving.launcher import stop_all, wait_healthy
+from services.serving.processes import serve_command, stop_all, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small and exact: fp32 (so greedy text matches an offline engine batch for batch), one
@@ -39,9 +38,8 @@ class Topology:
         address = f"127.0.0.1:{port}"
         log = open(self.log_dir / f"{role}-{port}.log", "w")
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
-        cmd = [sys.executable, "-m", "services.serving.cli", "serve", "--role", role,
-               "--address", address, *flags]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(serve_command(role, address, *flags), cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         self.pending.append((address, proc))
         if wait:
@@ -59,7 +57,7 @@ class Topology:
 
     def kill(self, address: str, sig: int = signal.SIGKILL) -> subprocess.Popen | None:
         """Signal the process serving `address`: SIGKILL (no goodbye to its peers) waits
-        for it; SIGTERM (a drain) returns it to wait on."""
+        for it; SIGTERM (a drain), SIGSTOP and SIGCONT return it."""
         for proc in self.procs:
             own = proc.args[proc.args.index("--address") + 1]
             if proc.poll() is None and own == address:

@@ -23,7 +23,12 @@ import torch
 
 pytest.importorskip("nixl_cu12")
 
-from kv_transfer.base import IncompatiblePeer, KVLayout, TransferState  # noqa: E402
+from kv_transfer.base import (  # noqa: E402
+    IncompatibleLayout,
+    KVHandle,
+    KVLayout,
+    TransferState,
+)
 from kv_transfer.nixl_connector import NixlConnector  # noqa: E402
 
 SENDER_BLOCKS = 9
@@ -33,6 +38,10 @@ LOCAL_IDS = [1, 12, 4]
 TIMEOUT_S = 10.0
 DEVICE = os.environ.get("BATON_TEST_KV_DEVICE", "cpu")
 
+
+
+def _handle(engine_id: str) -> KVHandle:
+    return KVHandle(engine_id, "r", 1, (), 0)
 
 def _layout(dtype: str = "bfloat16", block_size: int = 16) -> KVLayout:
     return KVLayout(model="test-model", dtype=dtype, block_size=block_size, num_layers=3,
@@ -134,7 +143,7 @@ def _assert_pulled(caches: list[torch.Tensor], peer: Peer, remote: list[int],
 def test_pull_scattered_blocks(peer):
     with _receiver(peer.layout) as (receiver, caches):
         receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
-        receiver.start_load("t1", peer.engine_id, REMOTE_IDS, LOCAL_IDS)
+        receiver.start_load("t1", _handle(peer.engine_id), REMOTE_IDS, LOCAL_IDS)
         assert _wait(receiver, "t1") == (TransferState.SUCCESS, None)
         _assert_pulled(caches, peer, REMOTE_IDS, LOCAL_IDS)
         # a finished transfer is forgotten
@@ -143,7 +152,7 @@ def test_pull_scattered_blocks(peer):
 
         # re-adding the same peer is harmless; the id can be reused once forgotten
         receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
-        receiver.start_load("t1", peer.engine_id, [0, 8], [0, 11])
+        receiver.start_load("t1", _handle(peer.engine_id), [0, 8], [0, 11])
         assert _wait(receiver, "t1") == (TransferState.SUCCESS, None)
         _assert_pulled(caches, peer, REMOTE_IDS + [0, 8], LOCAL_IDS + [0, 11])
 
@@ -151,9 +160,9 @@ def test_pull_scattered_blocks(peer):
 def test_incompatible_layout_is_refused(peer):
     other = _layout(peer.layout.dtype, block_size=32)
     with _receiver(other) as (receiver, _):
-        with pytest.raises(IncompatiblePeer, match="block_size"):
+        with pytest.raises(IncompatibleLayout, match="block_size"):
             receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
-        receiver.start_load("t", peer.engine_id, [0], [0])
+        receiver.start_load("t", _handle(peer.engine_id), [0], [0])
         state, reason = receiver.poll("t")
         assert state is TransferState.FAILED and "unknown peer" in reason
 
@@ -168,11 +177,11 @@ def test_incompatible_layout_is_refused(peer):
 def test_bad_block_ids_fail_with_a_reason(peer, remote, local, why):
     with _receiver(peer.layout) as (receiver, caches):
         receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
-        receiver.start_load("bad", peer.engine_id, remote, local)
+        receiver.start_load("bad", _handle(peer.engine_id), remote, local)
         state, reason = _wait(receiver, "bad")
         assert state is TransferState.FAILED and why in reason
         assert not any(t.any() for t in caches), "a failed transfer wrote something"
-        receiver.start_load("unknown-peer", "nobody", [0], [0])
+        receiver.start_load("unknown-peer", _handle("nobody"), [0], [0])
         assert receiver.poll("unknown-peer") == (TransferState.FAILED, "unknown peer nobody")
 
 
@@ -199,14 +208,14 @@ def _within(seconds: float, fn):
 def test_dead_peer_fails_fast():
     with _sender(_layout()) as peer, _receiver(peer.layout) as (receiver, caches):
         receiver.add_peer(peer.engine_id, peer.layout, peer.metadata)
-        receiver.start_load("warm", peer.engine_id, [1], [0])
+        receiver.start_load("warm", _handle(peer.engine_id), [1], [0])
         assert _wait(receiver, "warm") == (TransferState.SUCCESS, None)
 
         peer.proc.kill()
         peer.proc.join()
 
         def pull_from_dead_peer():
-            receiver.start_load("dead", peer.engine_id, REMOTE_IDS, LOCAL_IDS)
+            receiver.start_load("dead", _handle(peer.engine_id), REMOTE_IDS, LOCAL_IDS)
             return _wait(receiver, "dead")
 
         # NIXL sees the UCX endpoint fail and refuses to post: FAILED at once

@@ -4,6 +4,7 @@ request, and a caller that gives up before its turn neither runs nor kills the t
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -114,7 +115,7 @@ def test_failed_step_ends_every_stream_and_the_thread_lives(aengine, monkeypatch
 
 
 def test_full_queue_refuses_at_once(aengine):
-    from services.worker.async_engine import Overloaded
+    from services.serving.errors import Overloaded
 
     async def main():
         async for _ in aengine.generate("o", lambda e: e.add_request("hi", None, "o")):
@@ -127,3 +128,32 @@ def test_full_queue_refuses_at_once(aengine):
     finally:
         aengine.max_waiting = None
     assert not aengine.engine.has_unfinished_requests()
+
+
+def test_cancel_that_lands_while_the_request_is_admitted_aborts_it(aengine):
+    """The caller gives up while its admit call runs on the engine thread: the engine
+    already holds the request when the cancellation reaches the caller. It must still be
+    aborted (a prefill request would otherwise hold its blocks until its lease expired)."""
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task | None = None
+
+        def add(engine):
+            engine.add_request("Once upon a time", params, request_id="admit-cancel")
+            landed = threading.Event()  # the cancel reaches the caller before we return
+            loop.call_soon_threadsafe(lambda: (task.cancel(), landed.set()))
+            landed.wait(5)
+
+        async def consume():
+            async for _ in aengine.generate("admit-cancel", add):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # the abort is queued behind the admit
+        return await aengine.call(lambda e: e.has_unfinished_requests())
+
+    assert asyncio.run(main()) is False

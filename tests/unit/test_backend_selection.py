@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu, reference
+from kernels import reference, torch_attn
 from tests.kernel_batch import make_batch as _make_batch
 
 CUDA = torch.device("cuda")  # only a device object: select_backend does not touch it
@@ -68,7 +68,7 @@ def fake_flash(monkeypatch):
 
 def test_cpu_takes_torch_and_forced_names_say_why_they_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert kernels.select_backend(torch.device("cpu")) is cpu
+    assert kernels.select_backend(torch.device("cpu")) is torch_attn
     assert kernels.select_backend(torch.device("cpu"), "reference") is reference
     with pytest.raises(ValueError, match="Triton needs CUDA"):
         kernels.select_backend(torch.device("cpu"), "triton")
@@ -100,7 +100,7 @@ def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch)
         kernels.select_backend(CUDA, "flash-attn", block_size=16)
     monkeypatch.setitem(sys.modules, "kernels.triton_attn", None)  # no Triton either
     monkeypatch.delattr(kernels, "triton_attn")
-    assert kernels.select_backend(CUDA, block_size=16) is cpu
+    assert kernels.select_backend(CUDA, block_size=16) is torch_attn
 
 
 @pytest.mark.parametrize("build,block_size", [("vllm_flash_attn", 16), ("flash_attn", 32)])
@@ -114,7 +114,7 @@ def test_flash_wrapper_passes_our_paged_layout(fake_flash, monkeypatch, build, b
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
     q, k, v, kc, vc, meta = _make_batch(rng, block_size, 2, 3, 64, torch.float32, 3, 3)
-    cpu.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
     want = reference.paged_attention(q, k, v, kc, vc, meta, 0.125)
     got = flash.paged_attention(q, k, v, kc, vc, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ import pytest
 from services.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from services.serving.sampling_params import SamplingParams
 
 
 def _ids(blocks) -> list[int]:

@@ -4,13 +4,15 @@ greedy tokens as one engine, only missing blocks pulled, and no block leaked on 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from kv_transfer.base import KVLayout
+from kv_transfer.base import KVHandle, KVReceiver, TransferState
 from kv_transfer.blocks import read_blocks
 from kv_transfer.fake import FakeConnector
+from kv_transfer.lease_check import LeaseCheckedReceiver
 from services.engine import SamplingParams
-from services.engine.request import RemoteKV
 
 PROMPTS = [
     "The capital of France is",
@@ -21,17 +23,24 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(make_llm):
-    """A prefill engine and a decode engine, wired through fake connectors."""
+    """A prefill engine and a decode engine, wired through fake connectors; the decode
+    engine's pulls are checked against the prefill engine's leases, as a worker's are."""
     p = make_llm(dtype="float32", max_num_batched_tokens=64).engine
-    d = make_llm(dtype="float32").engine
-    layout = KVLayout.of_engine(p)
-    sender = FakeConnector("prefill-0", layout, p.runner.kv_caches)
-    receiver = FakeConnector("decode-0", layout, d.runner.kv_caches)
-    receiver.add_peer("prefill-0", layout, sender.metadata())
-    d.kv_receiver = receiver
-    yield p, d, receiver
+    made = {}
+
+    def receiver(layout, kv_caches):
+        made["fake"] = FakeConnector("decode-0", layout, kv_caches)
+        return LeaseCheckedReceiver(made["fake"], confirm=lambda h: p_release(h))
+
+    def p_release(h: KVHandle) -> bool:  # ReleaseKv on the prefill worker, in-process
+        return p.release_lease(h.request_id, h.lease_id)
+
+    d = make_llm(dtype="float32", kv_receiver=receiver).engine
+    sender = FakeConnector("prefill-0", p.kv_layout, p.kv_caches)
+    made["fake"].add_peer("prefill-0", p.kv_layout, sender.metadata())
+    yield p, d, made["fake"]
     sender.close()
-    receiver.close()
+    made["fake"].close()
 
 
 def _drain(engine, outs=None):
@@ -49,12 +58,16 @@ def _prefill(p, prompts, params):
     return {rid: outs[rid][-1] for rid in ids}
 
 
+def _handle(rid, o, deadline=float("inf")) -> KVHandle:
+    return KVHandle("prefill-0", rid, o.kv_lease_id, tuple(o.kv_block_ids),
+                    len(o.prompt_token_ids), deadline)
+
+
 def _handoff(p, d, firsts, params):
     for rid, o in firsts.items():
         if o.finished:
             continue
-        remote = RemoteKV("prefill-0", tuple(o.kv_block_ids), len(o.prompt_token_ids))
-        d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], remote, params,
+        d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], _handle(rid, o), params,
                              request_id=rid)
 
 
@@ -64,7 +77,7 @@ def test_disaggregated_greedy_equals_one_engine(pair, llm):
     want = [o.token_ids for o in llm.generate(PROMPTS, params)]
     firsts = _prefill(p, PROMPTS, params)
     assert all(o.kv_block_ids and o.finish_reason is None for o in firsts.values())
-    assert p.stats()["num_leases"] == len(PROMPTS)
+    assert p.stats().num_leases == len(PROMPTS)
     _handoff(p, d, firsts, params)
     outs = _drain(d)
     for rid in firsts:
@@ -82,11 +95,11 @@ def test_kv_bytes_equal_after_transfer(pair):
     p, d, _ = pair
     params = SamplingParams(max_tokens=8, temperature=0.0)
     firsts = _prefill(p, [PROMPTS[1]], params)
-    src = read_blocks(p.runner.kv_caches, firsts["r0"].kv_block_ids)
+    src = read_blocks(p.kv_caches, firsts["r0"].kv_block_ids)
     _handoff(p, d, firsts, params)
     d.step()  # admits the request, pulls its blocks, decodes once
-    assert d.stats()["num_blocks_pulled"] > 0
-    dst = read_blocks(d.runner.kv_caches, d.kv.block_ids("r0")[:len(firsts["r0"].kv_block_ids)])
+    assert d.stats().num_blocks_pulled > 0
+    dst = read_blocks(d.kv_caches, d.kv.block_ids("r0")[:len(firsts["r0"].kv_block_ids)])
     p.release_lease("r0")
     _drain(d)
     # The last, partial block differs past the prompt: decode wrote the first token there.
@@ -103,14 +116,14 @@ def test_only_missing_blocks_are_pulled(pair, llm):
     base = "Paged attention splits the KV cache into fixed blocks. " * 6
     longer = base + "Then a decode worker pulls only what it lacks."
     for prompt in (base, longer):
-        before = dict(d.stats())
+        before = d.stats()
         firsts = _prefill(p, [prompt], params)
         _handoff(p, d, firsts, params)
         outs = _drain(d)
         p.release_lease("r0")
         after = d.stats()
-        pulled = after["num_blocks_pulled"] - before["num_blocks_pulled"]
-        local = after["num_blocks_local"] - before["num_blocks_local"]
+        pulled = after.num_blocks_pulled - before.num_blocks_pulled
+        local = after.num_blocks_local - before.num_blocks_local
         n = len(firsts["r0"].prompt_token_ids)
         assert pulled + local == -(-n // 16)
         got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
@@ -128,11 +141,11 @@ def test_abort_while_loading_frees_after_transport_is_done(pair):
     try:
         _handoff(p, d, firsts, params)
         d.step()
-        assert d.stats()["num_loading"] == 1
+        assert d.stats().num_loading == 1
         d.abort_request("r0")
         d.step()
         assert d.has_unfinished_requests()  # blocks stay until the transport lets go
-        assert d.stats()["num_free_blocks"] < d.stats()["num_blocks"]
+        assert d.stats().num_free_blocks < d.stats().num_blocks
     finally:
         receiver.hold = False
         _drain(d)
@@ -150,7 +163,7 @@ def test_failed_transfer_follows_the_policy(pair, llm, policy):
     d.reset_prefix_cache()  # so there is something to pull
     receiver.fail = "peer went away"
     d.scheduler.load_failure_policy = policy
-    failures = d.stats()["num_load_failures"]
+    failures = d.stats().num_load_failures
     try:
         _handoff(p, d, firsts, params)
         outs = _drain(d)
@@ -159,7 +172,7 @@ def test_failed_transfer_follows_the_policy(pair, llm, policy):
         d.scheduler.load_failure_policy = "recompute"
         p.release_lease("r0")
     last = outs["r0"][-1]
-    assert d.stats()["num_load_failures"] == failures + 1
+    assert d.stats().num_load_failures == failures + 1
     if policy == "fail":
         assert last.finish_reason == "abort" and "peer went away" in last.error
     else:
@@ -169,32 +182,32 @@ def test_failed_transfer_follows_the_policy(pair, llm, policy):
 
 def test_lease_expires(pair):
     p, _, _ = pair
-    p.scheduler.lease_timeout_s = 0.0
-    expired = p.stats()["num_leases_expired"]
+    p.scheduler.leases.timeout_s = 0.0
+    expired = p.stats().num_leases_expired
     try:
         _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0))
-        assert p.stats()["num_leases"] == 1
+        assert p.stats().num_leases == 1
         p.step()
-        assert p.stats()["num_leases"] == 0
-        assert p.stats()["num_leases_expired"] == expired + 1
+        assert p.stats().num_leases == 0
+        assert p.stats().num_leases_expired == expired + 1
     finally:
-        p.scheduler.lease_timeout_s = 30.0
+        p.scheduler.leases.timeout_s = 30.0
 
 
 def test_first_token_that_finishes_holds_nothing(pair):
     p, _, _ = pair
     firsts = _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0.0))
     assert firsts["r0"].finish_reason == "length" and firsts["r0"].kv_block_ids is None
-    assert p.stats()["num_leases"] == 0
+    assert p.stats().num_leases == 0
 
 
 def test_remote_request_is_validated(pair):
     _, d, _ = pair
     with pytest.raises(ValueError, match="blocks"):
-        d.add_remote_request([1] * 40, 5, RemoteKV("prefill-0", (1, 2), 40),
+        d.add_remote_request([1] * 40, 5, KVHandle("prefill-0", "x", 1, (1, 2), 40),
                              SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="holds 39 tokens"):
-        d.add_remote_request([1] * 40, 5, RemoteKV("prefill-0", (1, 2, 3), 39),
+        d.add_remote_request([1] * 40, 5, KVHandle("prefill-0", "x", 1, (1, 2, 3), 39),
                              SamplingParams(max_tokens=4))
     assert not d.has_unfinished_requests()
 
@@ -215,12 +228,12 @@ def test_preempted_decode_recomputes_instead_of_pulling_again(pair, llm):
     p.release_lease("r0")
     for kv in p.runner.kv_caches:  # the prefill engine reused those blocks
         kv[:, :, blocks] = 0
-    pulled = d.stats()["num_blocks_pulled"]
+    pulled = d.stats().num_blocks_pulled
     req = d.scheduler.requests["r0"]
     d.scheduler.running.remove(req)
     d.scheduler._preempt(req)
     _drain(d, outs)
-    assert d.stats()["num_blocks_pulled"] == pulled
+    assert d.stats().num_blocks_pulled == pulled
     got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
     assert got == want
 
@@ -239,9 +252,9 @@ def test_seeded_sampling_matches_one_engine(pair, llm):
 def test_abort_after_prefill_releases_the_lease(pair):
     p, _, _ = pair
     _prefill(p, [PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0))
-    assert p.stats()["num_leases"] == 1
+    assert p.stats().num_leases == 1
     p.abort_request("r0")
-    assert p.stats()["num_leases"] == 0
+    assert p.stats().num_leases == 0
 
 
 def test_expired_lease_fails_the_request_without_pulling(pair):
@@ -250,16 +263,14 @@ def test_expired_lease_fails_the_request_without_pulling(pair):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     firsts = _prefill(p, [PROMPTS[2]], params)
     o = firsts["r0"]
-    pulled = d.stats()["num_blocks_pulled"]
-    remote = RemoteKV("prefill-0", tuple(o.kv_block_ids), len(o.prompt_token_ids),
-                      deadline=0.0)
-    d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], remote, params,
-                         request_id="r0")
+    pulled = d.stats().num_blocks_pulled
+    d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], _handle("r0", o, 0.0),
+                         params, request_id="r0")
     outs = _drain(d)
     p.release_lease("r0")
     d.scheduler.load_failure_policy = "recompute"
     assert outs["r0"][-1].finish_reason == "abort" and "lease" in outs["r0"][-1].error
-    assert d.stats()["num_blocks_pulled"] == pulled
+    assert d.stats().num_blocks_pulled == pulled
 
 
 def test_resume_mid_stream_gives_the_undisturbed_tokens(pair, llm):
@@ -273,3 +284,55 @@ def test_resume_mid_stream_gives_the_undisturbed_tokens(pair, llm):
     assert ref.token_ids[:7] + [t for o in outs["m"] for t in o.new_token_ids] == ref.token_ids
     assert "".join(o.new_text for o in outs["m"]) == ref.text[len(
         llm.engine.tokenizer.decode(ref.token_ids[:7])):]
+
+
+def test_a_pull_of_blocks_no_longer_leased_is_caught_and_recomputed(pair, llm):
+    """The lease ends (expiry) and the prefill engine reuses the blocks before the decode
+    engine pulls them: the pull itself succeeds, but the source no longer holds the lease
+    when asked, so the pull fails and the prompt is recomputed: the undisturbed tokens."""
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = llm.generate([PROMPTS[1]], params)[0].token_ids
+    d.reset_prefix_cache()
+    firsts = _prefill(p, [PROMPTS[1]], params)
+    assert p.release_lease("r0")  # as if it expired
+    for kv in p.kv_caches:  # another request's KV now sits in those blocks
+        kv[:, :, firsts["r0"].kv_block_ids] = 0.5
+    failures = d.stats().num_load_failures
+    _handoff(p, d, firsts, params)
+    outs = _drain(d)
+    got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
+    assert got == want
+    assert d.stats().num_load_failures == failures + 1
+
+
+class _Landed(KVReceiver):
+    """A transport whose every pull has landed (it copies nothing)."""
+
+    def add_peer(self, engine_id, layout, metadata):
+        pass
+
+    def start_load(self, transfer_id, handle, remote_block_ids, local_block_ids):
+        pass
+
+    def poll(self, transfer_id):
+        return TransferState.SUCCESS, None
+
+
+@pytest.mark.parametrize("answer", ["held", "gone", "unreachable"])
+def test_lease_check_trusts_a_pull_only_if_the_source_still_held_the_lease(answer):
+    def confirm(handle: KVHandle) -> bool:
+        if answer == "unreachable":  # dead or frozen: it cannot vouch for the bytes
+            raise ConnectionError("no answer")
+        return answer == "held"
+
+    checked = LeaseCheckedReceiver(_Landed(), confirm)
+    checked.start_load("x", KVHandle("prefill-0", "x", 7, (1,), 1), [1], [1])
+    deadline = time.monotonic() + 5
+    while (state := checked.poll("x"))[0] is TransferState.TRANSFERRING:
+        assert time.monotonic() < deadline
+    checked.close()
+    assert state[0] is (TransferState.SUCCESS if answer == "held" else TransferState.FAILED)
+    if answer != "held":
+        assert ("no answer" if answer == "unreachable" else "lease") in state[1]
+    assert checked.poll("x")[0] is TransferState.FAILED  # forgotten once reported

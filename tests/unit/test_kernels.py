@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu, reference
+from kernels import reference, torch_attn
 from kernels.metadata import AttentionMetadata, count_shared_blocks
 from tests.kernel_batch import make_batch as _make_batch
 
@@ -23,21 +23,21 @@ def test_attention_matches_reference(block_size, num_kv_heads, group, decodes, p
                                         torch.float32, decodes, prefills)
     kc2, vc2 = kc.clone(), vc.clone()
     reference.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    cpu.reshape_and_cache(k, v, kc2, vc2, meta.slot_mapping)
+    torch_attn.reshape_and_cache(k, v, kc2, vc2, meta.slot_mapping)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     scale = head_dim**-0.5
     want = reference.paged_attention(q, k, v, kc, vc, meta, scale)
-    got = cpu.paged_attention(q, k, v, kc2, vc2, meta, scale)
+    got = torch_attn.paged_attention(q, k, v, kc2, vc2, meta, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_attention_bf16_close_to_fp32_reference():
     rng = random.Random(7)
     q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
-    cpu.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
     want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(),
                                     meta, 0.125)
-    got = cpu.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
@@ -46,7 +46,7 @@ def test_cache_write_lands_in_the_right_slot():
     vc = torch.zeros_like(kc)
     key = torch.arange(1, 3 * 2 * 8 + 1, dtype=torch.float32).view(3, 2, 8)
     slots = torch.tensor([16 * 2 + 5, 16 * 3 + 0, 15])
-    cpu.reshape_and_cache(key, -key, kc, vc, slots)
+    torch_attn.reshape_and_cache(key, -key, kc, vc, slots)
     assert torch.equal(kc[:, 2, 5], key[0]) and torch.equal(kc[:, 3, 0], key[1])
     assert torch.equal(kc[:, 0, 15], key[2]) and torch.equal(vc[:, 0, 15], -key[2])
     assert kc.abs().sum() == key.abs().sum()  # nothing else was written
@@ -83,7 +83,7 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
     assert meta.num_shared_blocks == shared_blocks
     q = torch.randn(n, kvh * group, d, dtype=dtype)
     want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
-    got = cpu.paged_attention(q, None, None, kc, vc, meta, 0.125)
+    got = torch_attn.paged_attention(q, None, None, kc, vc, meta, 0.125)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -129,8 +129,8 @@ def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype):
     # The fresh chunk reads its new K/V directly: write them so the reference sees them.
     slots = [t[p // bs] * bs + p % bs for t, (pre, ql) in zip(tables, rows, strict=True)
              for p in range(pre, pre + ql)]
-    cpu.reshape_and_cache(k, v, kc, vc, torch.tensor(slots))
+    torch_attn.reshape_and_cache(k, v, kc, vc, torch.tensor(slots))
     want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
-    got = cpu.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

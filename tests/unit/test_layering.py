@@ -1,48 +1,134 @@
-"""The import rules of shared/DESIGN.md: which top-level folder may import which."""
+"""The structure, measured from the imports (shared/DESIGN.md): which folder may import
+which, no import cycle, no hand-written file over 400 lines, and the parts that must load
+without torch do."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {"protos", "baton", "services", "router", "prefill_worker", "decode_worker",
-        "kv_transfer", "kernels"}
-ALLOWED = {  # folder -> project packages (dotted prefixes) it may import, besides itself
+        "kv_transfer", "kernels", "cli"}
+CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
+# Folder (or sub-package) -> project packages (dotted prefixes) it may import, besides
+# itself. The most specific folder applies.
+ALLOWED = {
     "kernels": set(),
     "protos": {"baton"},  # generated stubs import each other as baton.v1.*
-    "services": {"kernels", "protos", "baton"},
+    "kv_transfer": {"protos", "baton"},
+    "services": {"kernels", "protos", "baton", "services", *CONTRACT},
+    "services/serving": {"protos", "baton", "services.serving", "kv_transfer.base"},
+    "services/engine": {"kernels", "services.engine", "services.serving", *CONTRACT},
     "router": {"protos", "baton", "services.serving"},
     "prefill_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
     "decode_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
-    "kv_transfer": {"services.engine"},
+    "cli": OURS,
 }
-FORBIDDEN_THIRD_PARTY = {"router": {"torch"}}
+FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/serving": {"torch"},
+                         "kv_transfer/base.py": {"torch"}}
+GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
+MAX_LINES = 400
 
 
 def _imports(path: Path) -> list[str]:
+    """Every module `path` imports: import statements anywhere (lazy ones included), and
+    importlib.import_module / __import__ calls with a constant name."""
     names = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id == "__import__"))):
+            names.append(node.args[0].value)
     return names
+
+
+def _rule(rel: str) -> tuple[str, set[str]] | None:
+    best = max((k for k in ALLOWED if rel == k or rel.startswith(k + "/")), key=len,
+               default=None)
+    return (best, ALLOWED[best]) if best else None
+
+
+def _python_files(root: Path):
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in OURS and not rel.endswith(GENERATED):
+            yield rel, path
 
 
 def _violations(root: Path) -> list[str]:
     bad = []
-    for folder, allowed in ALLOWED.items():
-        for path in (root / folder).rglob("*.py"):
-            for name in _imports(path):
-                top = name.split(".")[0]
-                if top in FORBIDDEN_THIRD_PARTY.get(folder, ()):
-                    bad.append(f"{path.relative_to(root)} imports {name}")
-                if top not in OURS or top == folder:
-                    continue
-                if not any(name == a or name.startswith(a + ".") for a in allowed):
-                    bad.append(f"{path.relative_to(root)} imports {name}")
-    return bad
+    for rel, path in _python_files(root):
+        rule = _rule(rel)
+        if rule is None:
+            continue
+        folder, allowed = rule
+        forbidden = set().union(*(v for k, v in FORBIDDEN_THIRD_PARTY.items()
+                                  if rel == k or rel.startswith(k + "/")))
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in forbidden:
+                bad.append(f"{rel} imports {name}")
+            own = folder.replace("/", ".")
+            if top not in OURS or name == own or name.startswith(own + "."):
+                continue
+            if not any(name == a or name.startswith(a + ".") for a in allowed):
+                bad.append(f"{rel} imports {name}")
+    return sorted(set(bad))
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    mods = {}
+    for rel, path in _python_files(root):
+        name = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        if name.startswith("protos."):
+            name = name[len("protos."):]
+        mods[name] = path
+    graph = {}
+    for name, path in mods.items():
+        graph[name] = {n for n in _imports(path) if n in mods and n != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
 
 
 def test_folders_import_only_what_design_allows():
@@ -50,17 +136,52 @@ def test_folders_import_only_what_design_allows():
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
-def test_the_check_sees_violations(tmp_path):
-    # Guard against a check that cannot fail: a router importing torch and the engine, and
-    # a decode worker importing the prefill worker, are all caught; allowed imports pass.
-    (tmp_path / "router").mkdir()
-    (tmp_path / "router" / "x.py").write_text(
-        "import torch\nfrom services.engine import LLM\nfrom services.serving import a\n")
-    (tmp_path / "decode_worker").mkdir()
-    (tmp_path / "decode_worker" / "y.py").write_text(
-        "import prefill_worker.z\nimport kv_transfer\n")
-    assert sorted(_violations(tmp_path)) == [
+def test_no_import_cycle():
+    cycles = _cycles(_module_graph(ROOT))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_hand_written_file_over_400_lines():
+    long = [f"{rel}: {n}" for rel, path in _python_files(ROOT)
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    tests = [f"{p.relative_to(ROOT)}: {n}" for folder in ("tests", "scripts")
+             for p in (ROOT / folder).rglob("*.py")
+             if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long + tests, long + tests
+
+
+def test_router_cli_and_the_transfer_contract_load_without_torch():
+    code = ("import sys\n"
+            "import router.server, router.registry, kv_transfer.base, kv_transfer\n"
+            "import cli.main, cli.flags, services.serving.server, services.engine.config\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    contract = ("import sys\nimport kv_transfer.base\n"
+                "bad = {'torch', 'transformers', 'services.engine.engine'} & set(sys.modules)\n"
+                "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", contract], check=True, cwd=ROOT)
+
+
+def test_the_checks_see_violations(tmp_path):
+    # Guard against checks that cannot fail: a router importing torch and the engine, a
+    # decode worker importing the prefill worker, the engine importing a worker through
+    # import_module, and a cycle, are all caught; allowed imports pass.
+    for folder, text in {
+        "router/x.py": "import torch\nfrom services.engine import LLM\n"
+                       "from services.serving import a\n",
+        "decode_worker/y.py": "import prefill_worker.z\nimport kv_transfer\n",
+        "services/engine/e.py": "import importlib\nimportlib.import_module('services.worker.w')\n"
+                                "from kv_transfer.base import KVHandle\n",
+        "kernels/a.py": "import kernels.b\n",
+        "kernels/b.py": "import kernels.a\n",
+    }.items():
+        (tmp_path / folder).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder).write_text(text)
+    assert _violations(tmp_path) == [
         "decode_worker/y.py imports prefill_worker.z",
         "router/x.py imports services.engine",
+        "router/x.py imports services.engine.LLM",
         "router/x.py imports torch",
+        "services/engine/e.py imports services.worker.w",
     ]
+    assert _cycles(_module_graph(tmp_path)) == [["kernels.a", "kernels.b"]]

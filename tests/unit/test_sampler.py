@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.sampler import Sampler, SamplingRow, apply_penalties
-from services.engine.sampling_params import SamplingParams
+from services.serving.sampling_params import SamplingParams
 
 
 def row(seed: int | None = None, prompt=(), output=(), **kw) -> SamplingRow:

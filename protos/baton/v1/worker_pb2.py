@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\x8d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"j\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xaf\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\"\n\x06handle\x18\x07 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07queue_s\x18\t \x01(\x01\x12\x11\n\tprefill_s\x18\n \x01(\x01\x42\r\n\x0bstop_reason\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"I\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\"y\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x04 \x01(\x0c\"\xfe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\"\n\x06handle\x18\x07 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\"\x8f\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x15\n\rkv_transfer_s\x18\x08 \x01(\x01\x12\x15\n\rblocks_pulled\x18\t \x01(\x05\x42\r\n\x0bstop_reason\")\n\x0e\x43onnectRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\"?\n\x0f\x43onnectResponse\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xec\x02\n\x10GetStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_loading\x18\x05 \x01(\x05\x12\x12\n\nnum_leases\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x03\x12\x18\n\x10num_blocks_local\x18\n \x01(\x03\x12\'\n\nmodel_info\x18\x0b \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\"\n\x06layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x19\n\x11num_load_failures\x18\r \x01(\x03\x12\x1a\n\x12num_leases_expired\x18\x0e \x01(\x03\"<\n\x13ReadKvBlocksRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"$\n\x14ReadKvBlocksResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"<\n\x13LookupPrefixRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ncache_salt\x18\x02 \x01(\t\")\n\x14LookupPrefixResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x32\xdc\x01\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\tReleaseKv\x12\x1a.baton.v1.ReleaseKvRequest\x1a\x1b.baton.v1.ReleaseKvResponse\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse2\x8e\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse2\xf2\x01\n\rWorkerService\x12\x41\n\x08GetStats\x12\x19.baton.v1.GetStatsRequest\x1a\x1a.baton.v1.GetStatsResponse\x12O\n\x0cReadKvBlocks\x12\x1d.baton.v1.ReadKvBlocksRequest\x1a\x1e.baton.v1.ReadKvBlocksResponse0\x01\x12M\n\x0cLookupPrefix\x12\x1d.baton.v1.LookupPrefixRequest\x1a\x1e.baton.v1.LookupPrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\x8d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\x90\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x95\x01\n\x0fPrefillResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\"\n\x06handle\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\"8\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"I\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\"y\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x04 \x01(\x0c\"\xfe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\"\n\x06handle\x18\x07 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\"p\n\x0e\x44\x65\x63odeResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\"\n\x07timings\x18\x03 \x01(\x0b\x32\x11.baton.v1.Timings\")\n\x0e\x43onnectRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\"?\n\x0f\x43onnectResponse\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xd0\x03\n\x10GetStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_loading\x18\x05 \x01(\x05\x12\x12\n\nnum_leases\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x03\x12\x18\n\x10num_blocks_local\x18\n \x01(\x03\x12\'\n\nmodel_info\x18\x0b \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\"\n\x06layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x19\n\x11num_load_failures\x18\r \x01(\x03\x12\x1a\n\x12num_leases_expired\x18\x0e \x01(\x03\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x11 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x12 \x01(\x03\"N\n\x13ReadKvBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"$\n\x14ReadKvBlocksResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xdc\x01\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\tReleaseKv\x12\x1a.baton.v1.ReleaseKvRequest\x1a\x1b.baton.v1.ReleaseKvResponse\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse2\x8e\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse2\xa3\x01\n\rWorkerService\x12\x41\n\x08GetStats\x12\x19.baton.v1.GetStatsRequest\x1a\x1a.baton.v1.GetStatsResponse\x12O\n\x0cReadKvBlocks\x12\x1d.baton.v1.ReadKvBlocksRequest\x1a\x1e.baton.v1.ReadKvBlocksResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,44 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=63
   _globals['_KVLAYOUT']._serialized_end=204
-  _globals['_KVHANDLE']._serialized_start=206
-  _globals['_KVHANDLE']._serialized_end=312
-  _globals['_PREFILLREQUEST']._serialized_start=315
-  _globals['_PREFILLREQUEST']._serialized_end=459
-  _globals['_PREFILLRESPONSE']._serialized_start=462
-  _globals['_PREFILLRESPONSE']._serialized_end=765
-  _globals['_RELEASEKVREQUEST']._serialized_start=767
-  _globals['_RELEASEKVREQUEST']._serialized_end=805
-  _globals['_RELEASEKVRESPONSE']._serialized_start=807
-  _globals['_RELEASEKVRESPONSE']._serialized_end=844
-  _globals['_HANDSHAKEREQUEST']._serialized_start=846
-  _globals['_HANDSHAKEREQUEST']._serialized_end=919
-  _globals['_HANDSHAKERESPONSE']._serialized_start=921
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1042
-  _globals['_DECODEREQUEST']._serialized_start=1045
-  _globals['_DECODEREQUEST']._serialized_end=1299
-  _globals['_DECODERESPONSE']._serialized_start=1302
-  _globals['_DECODERESPONSE']._serialized_end=1573
-  _globals['_CONNECTREQUEST']._serialized_start=1575
-  _globals['_CONNECTREQUEST']._serialized_end=1616
-  _globals['_CONNECTRESPONSE']._serialized_start=1618
-  _globals['_CONNECTRESPONSE']._serialized_end=1681
-  _globals['_GETSTATSREQUEST']._serialized_start=1683
-  _globals['_GETSTATSREQUEST']._serialized_end=1700
-  _globals['_GETSTATSRESPONSE']._serialized_start=1703
-  _globals['_GETSTATSRESPONSE']._serialized_end=2067
-  _globals['_READKVBLOCKSREQUEST']._serialized_start=2069
-  _globals['_READKVBLOCKSREQUEST']._serialized_end=2129
-  _globals['_READKVBLOCKSRESPONSE']._serialized_start=2131
-  _globals['_READKVBLOCKSRESPONSE']._serialized_end=2167
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=2169
-  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=2229
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=2231
-  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=2272
-  _globals['_PREFILLSERVICE']._serialized_start=2275
-  _globals['_PREFILLSERVICE']._serialized_end=2495
-  _globals['_DECODESERVICE']._serialized_start=2498
-  _globals['_DECODESERVICE']._serialized_end=2640
-  _globals['_WORKERSERVICE']._serialized_start=2643
-  _globals['_WORKERSERVICE']._serialized_end=2885
+  _globals['_KVHANDLE']._serialized_start=207
+  _globals['_KVHANDLE']._serialized_end=351
+  _globals['_PREFILLREQUEST']._serialized_start=354
+  _globals['_PREFILLREQUEST']._serialized_end=498
+  _globals['_PREFILLRESPONSE']._serialized_start=501
+  _globals['_PREFILLRESPONSE']._serialized_end=650
+  _globals['_RELEASEKVREQUEST']._serialized_start=652
+  _globals['_RELEASEKVREQUEST']._serialized_end=708
+  _globals['_RELEASEKVRESPONSE']._serialized_start=710
+  _globals['_RELEASEKVRESPONSE']._serialized_end=747
+  _globals['_HANDSHAKEREQUEST']._serialized_start=749
+  _globals['_HANDSHAKEREQUEST']._serialized_end=822
+  _globals['_HANDSHAKERESPONSE']._serialized_start=824
+  _globals['_HANDSHAKERESPONSE']._serialized_end=945
+  _globals['_DECODEREQUEST']._serialized_start=948
+  _globals['_DECODEREQUEST']._serialized_end=1202
+  _globals['_DECODERESPONSE']._serialized_start=1204
+  _globals['_DECODERESPONSE']._serialized_end=1316
+  _globals['_CONNECTREQUEST']._serialized_start=1318
+  _globals['_CONNECTREQUEST']._serialized_end=1359
+  _globals['_CONNECTRESPONSE']._serialized_start=1361
+  _globals['_CONNECTRESPONSE']._serialized_end=1424
+  _globals['_GETSTATSREQUEST']._serialized_start=1426
+  _globals['_GETSTATSREQUEST']._serialized_end=1443
+  _globals['_GETSTATSRESPONSE']._serialized_start=1446
+  _globals['_GETSTATSRESPONSE']._serialized_end=1910
+  _globals['_READKVBLOCKSREQUEST']._serialized_start=1912
+  _globals['_READKVBLOCKSREQUEST']._serialized_end=1990
+  _globals['_READKVBLOCKSRESPONSE']._serialized_start=1992
+  _globals['_READKVBLOCKSRESPONSE']._serialized_end=2028
+  _globals['_PREFILLSERVICE']._serialized_start=2031
+  _globals['_PREFILLSERVICE']._serialized_end=2251
+  _globals['_DECODESERVICE']._serialized_start=2254
+  _globals['_DECODESERVICE']._serialized_end=2396
+  _globals['_WORKERSERVICE']._serialized_start=2399
+  _globals['_WORKERSERVICE']._serialized_end=2562
 # @@protoc_insertion_point(module_scope)

@@ -26,18 +26,22 @@ class KvLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "block_ids", "num_tokens", "fingerprint", "lease_s")
+    __slots__ = ("engine_id", "request_id", "lease_id", "block_ids", "num_tokens", "fingerprint", "lease_s")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
+    request_id: str
+    lease_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     fingerprint: str
     lease_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")
@@ -54,34 +58,24 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "handle", "cached_tokens", "queue_s", "prefill_s")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("delta", "handle", "cached_tokens", "timings")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
-    text: str
-    logprobs: _generation_pb2.TokenLogprobs
-    finish_reason: _generation_pb2.FinishReason
-    stop_string: str
-    stop_token_id: int
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    delta: _generation_pb2.TokenDelta
     handle: KvHandle
     cached_tokens: int
-    queue_s: float
-    prefill_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    timings: _generation_pb2.Timings
+    def __init__(self, delta: _Optional[_Union[_generation_pb2.TokenDelta, _Mapping]] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("released",)
@@ -132,26 +126,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "cached_tokens", "kv_transfer_s", "blocks_pulled")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("delta", "cached_tokens", "timings")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    text: str
-    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
-    finish_reason: _generation_pb2.FinishReason
-    stop_string: str
-    stop_token_id: int
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    delta: _generation_pb2.TokenDelta
     cached_tokens: int
-    kv_transfer_s: float
-    blocks_pulled: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., blocks_pulled: _Optional[int] = ...) -> None: ...
+    timings: _generation_pb2.Timings
+    def __init__(self, delta: _Optional[_Union[_generation_pb2.TokenDelta, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("prefill_address",)
@@ -172,7 +154,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired")
+    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired", "draining", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +169,10 @@ class GetStatsResponse(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_waiting: int
@@ -201,32 +187,24 @@ class GetStatsResponse(_message.Message):
     layout: KvLayout
     num_load_failures: int
     num_leases_expired: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ...) -> None: ...
+    draining: bool
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
-    __slots__ = ("block_ids", "request_id")
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request_id", "lease_id", "block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lease_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadKvBlocksResponse(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
-
-class LookupPrefixRequest(_message.Message):
-    __slots__ = ("token_ids", "cache_salt")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
-
-class LookupPrefixResponse(_message.Message):
-    __slots__ = ("block_ids",)
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -63,7 +63,9 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKv(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Ends a lease. The decode worker calls it once its pull has landed, and trusts the
+        bytes only if `released` says the lease was still held (see KvHandle.lease_id).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -306,8 +308,8 @@ class DecodeService:
 
 
 class WorkerServiceStub:
-    """Every worker: load for routing, and its KV blocks as bytes (the gRPC fallback transport,
-    and exact comparisons in tests).
+    """Every worker: load for routing, and leased KV blocks as bytes (the gRPC fallback
+    transport).
     """
 
     def __init__(self, channel):
@@ -326,16 +328,11 @@ class WorkerServiceStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
                 _registered_method=True)
-        self.LookupPrefix = channel.unary_unary(
-                '/baton.v1.WorkerService/LookupPrefix',
-                request_serializer=baton_dot_v1_dot_worker__pb2.LookupPrefixRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.LookupPrefixResponse.FromString,
-                _registered_method=True)
 
 
 class WorkerServiceServicer:
-    """Every worker: load for routing, and its KV blocks as bytes (the gRPC fallback transport,
-    and exact comparisons in tests).
+    """Every worker: load for routing, and leased KV blocks as bytes (the gRPC fallback
+    transport).
     """
 
     def GetStats(self, request, context):
@@ -345,12 +342,6 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadKvBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def LookupPrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -369,11 +360,6 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.SerializeToString,
             ),
-            'LookupPrefix': grpc.unary_unary_rpc_method_handler(
-                    servicer.LookupPrefix,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.LookupPrefixRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.LookupPrefixResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'baton.v1.WorkerService', rpc_method_handlers)
@@ -383,8 +369,8 @@ def add_WorkerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
-    """Every worker: load for routing, and its KV blocks as bytes (the gRPC fallback transport,
-    and exact comparisons in tests).
+    """Every worker: load for routing, and leased KV blocks as bytes (the gRPC fallback
+    transport).
     """
 
     @staticmethod
@@ -431,33 +417,6 @@ class WorkerService:
             '/baton.v1.WorkerService/ReadKvBlocks',
             baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def LookupPrefix(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.WorkerService/LookupPrefix',
-            baton_dot_v1_dot_worker__pb2.LookupPrefixRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.LookupPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,12 +42,12 @@ def generate(args) -> None:
         stub = gen_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(request_of(args), timeout=args.timeout):
-                sys.stdout.write(msg.text)
+                sys.stdout.write(msg.delta.text)
                 sys.stdout.flush()
-                if msg.finish_reason:
+                if msg.delta.finish_reason:
                     u, t = msg.usage, msg.timings
                     print(flush=True)
-                    print(f"[{FINISH_NAME[msg.finish_reason]}] prompt {u.prompt_tokens}, "
+                    print(f"[{FINISH_NAME[msg.delta.finish_reason]}] prompt {u.prompt_tokens}, "
                           f"completion {u.completion_tokens}, cached {u.cached_tokens} "
                           f"tokens; first token {t.first_token_s * 1000:.0f} ms, KV "
                           f"transfer {t.kv_transfer_s * 1000:.1f} ms", file=sys.stderr)

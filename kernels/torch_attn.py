@@ -1,4 +1,5 @@
-"""Fast CPU path: vectorized cache writes and SDPA over K/V gathered through block tables.
+"""The torch backend: the fast path on CPU and the fallback on CUDA. Vectorized cache
+writes and SDPA over K/V gathered through block tables.
 
 Decodes (one new token each) are batched into one SDPA call over K/V padded to the longest
 sequence, with a length mask. Each prefill chunk gets its own call, with a causal mask

@@ -1,0 +1,240 @@
+"""One flag table for every role. Each flag says which roles take it and which config
+field it fills; its default is that field's default (defined once, in the config
+dataclass), its environment variable is `BATON_` + its name, and `--help` shows both.
+
+    flag                  roles                      fills
+    --kv-cache-gib        prefill decode colocated   EngineConfig.kv_cache_gib
+    --max-inflight        router colocated           RouterConfig.max_inflight
+    ...
+
+A bad value, on the command line or in a variable, gets one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+from router.config import RouterConfig
+from services.engine.config import DTYPES, EngineConfig
+from services.worker.config import WorkerConfig
+
+ROLES = ("router", "prefill", "decode", "colocated")
+WORKERS = ("prefill", "decode", "colocated")
+ROUTERS = ("router", "colocated")
+DEFAULT_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071, "colocated": 50051}
+CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without dashes: "kv-cache-gib"
+    roles: tuple[str, ...]
+    fills: tuple[tuple[str, str], ...]  # (config, field) per target; the first gives the default
+    help: str
+    kind: type = str  # str, int, float, bool or list (of addresses)
+    choices: tuple[str, ...] | None = None
+    optional: bool = False  # None is a value (unset)
+    hidden: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "BATON_" + self.dest.upper()
+
+    @property
+    def default(self):
+        config, name = self.fills[0]
+        field = next(f for f in dataclasses.fields(CONFIGS[config]) if f.name == name)
+        value = field.default
+        return list(value) if isinstance(value, tuple) else value
+
+    def parse(self, raw: str):
+        """A value from its text (an environment variable): ValueError says why not."""
+        if self.kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
+        if self.kind is list:
+            return [a.strip() for a in raw.split(",") if a.strip()]
+        if self.optional and raw.strip() in ("", "none", "None"):
+            return None
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            raise ValueError(f"not {'an integer' if self.kind is int else 'a number'}"
+                             if self.kind in (int, float) else "bad value") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"not one of {', '.join(self.choices)}")
+        return value
+
+
+def _f(name, roles, fills, help, **kw) -> Flag:
+    if isinstance(fills, str):
+        fills = (tuple(fills.split(".")),)
+    return Flag(name, tuple(roles), tuple(fills), help, **kw)
+
+
+FLAGS: list[Flag] = [
+    # -- every service
+    _f("drain-grace", ROLES, (("worker", "drain_grace"), ("router", "drain_grace")),
+       "on SIGTERM: seconds the work in flight gets to finish", kind=float),
+    # -- engines
+    _f("model", ROLES, (("engine", "model"), ("router", "model")),
+       "a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct); the "
+       "router reads its tokenizer", optional=True),
+    _f("dtype", WORKERS, "engine.dtype", "weights, activations and KV cache",
+       choices=DTYPES),
+    _f("device", WORKERS, "engine.device", "auto, cpu or cuda[:N]"),
+    _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
+    _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",
+       kind=float),
+    _f("gpu-memory-utilization", WORKERS, "engine.gpu_memory_utilization",
+       "CUDA: share of device memory for weights, activations and KV", kind=float),
+    _f("max-num-seqs", WORKERS, "engine.max_num_seqs", "requests in one batch", kind=int),
+    _f("max-num-batched-tokens", WORKERS, "engine.max_num_batched_tokens",
+       "tokens in one step (prefill chunks included)", kind=int),
+    _f("max-model-len", WORKERS, "engine.max_model_len",
+       "longest prompt + output (default: the model's, capped by the KV cache)", kind=int,
+       optional=True),
+    _f("enable-prefix-caching", WORKERS, "engine.enable_prefix_caching",
+       "reuse the KV of shared prompt prefixes", kind=bool),
+    _f("scheduling-policy", WORKERS, "engine.scheduling_policy",
+       "fcfs, or priority (a request's `priority`, smaller first)",
+       choices=("fcfs", "priority")),
+    _f("enforce-eager", WORKERS, "engine.enforce_eager", "CUDA: no CUDA graphs", kind=bool),
+    _f("attention-backend", WORKERS, "engine.attention_backend",
+       "default: the best that runs (CUDA: flash-attn, Triton, torch)",
+       choices=("flash-attn", "triton", "torch"), optional=True),
+    _f("load-format", WORKERS, "engine.load_format",
+       "dummy: random weights of the model's shapes, for benchmarks",
+       choices=("auto", "dummy")),
+    _f("seed", WORKERS, "engine.seed", "the sampler's seed for unseeded requests", kind=int),
+    _f("kv-lease-timeout", ("prefill",), "engine.kv_lease_timeout_s",
+       "prefill: seconds a handed-off request's blocks stay held for its decode worker",
+       kind=float),
+    _f("kv-load-failure-policy", ("decode",), "engine.kv_load_failure_policy",
+       "decode: when a KV pull fails, prefill locally (recompute) or fail the request",
+       choices=("recompute", "fail")),
+    # -- workers
+    _f("engine-id", WORKERS, "worker.engine_id",
+       "this engine's id (default: the role and a random suffix)"),
+    _f("kv-transport", ("prefill", "decode"), "worker.kv_transport",
+       "how KV blocks move: nixl, or grpc (default: nixl when it loads)",
+       choices=("nixl", "grpc"), optional=True),
+    _f("max-queue", WORKERS, "worker.max_queue",
+       "requests that may wait; past it, RESOURCE_EXHAUSTED (default: 4 x max-num-seqs)",
+       kind=int, optional=True),
+    _f("threads", WORKERS, "worker.threads", "torch intra-op threads (default: torch's)",
+       kind=int, optional=True),
+    _f("inject-kv-failure", ("decode",), "worker.inject_kv_failure",
+       "test hook: every KV pull fails with this reason", optional=True, hidden=True),
+    # -- routers
+    _f("prefill", ("router",), "router.prefill",
+       "a prefill worker address (repeat, or comma-separate)", kind=list),
+    _f("decode", ("router",), "router.decode",
+       "a decode worker address (repeat, or comma-separate)", kind=list),
+    _f("max-inflight", ROUTERS, "router.max_inflight",
+       "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
+    _f("request-timeout", ROUTERS, "router.request_timeout",
+       "the deadline of a request whose client set none (seconds)", kind=float),
+    _f("poll-interval", ("router",), "router.poll_interval",
+       "seconds between stats polls of every worker", kind=float),
+    _f("worker-timeout", ("router",), "router.worker_timeout",
+       "a worker silent this long is down (dead or frozen); its requests move on",
+       kind=float),
+]
+
+
+class EnvError(SystemExit):
+    def __init__(self, flag: Flag, raw: str, why: str):
+        super().__init__(f"baton: {flag.env}={raw!r}: {why}")
+
+
+def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[Flag]:
+    """Add every flag any of `roles` takes, its default from its variable when set."""
+    flags = [f for f in FLAGS if set(f.roles) & set(roles)]
+    for flag in flags:
+        default = flag.default
+        raw = os.environ.get(flag.env)
+        if raw is not None:
+            try:
+                default = flag.parse(raw)
+            except ValueError as e:
+                raise EnvError(flag, raw, str(e)) from None
+        shown = ",".join(default) if isinstance(default, list) else default
+        help_text = argparse.SUPPRESS if flag.hidden else (
+            f"{flag.help} [{flag.env}; default: {shown}]")
+        kw: dict = {"default": default, "help": help_text, "dest": flag.dest}
+        if flag.kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif flag.kind is list:
+            kw.update(action="append", default=None)
+            parser.set_defaults(**{f"{flag.dest}_env": default})
+        else:
+            kw["type"] = _checked(flag)
+            if flag.choices:
+                kw["choices"] = flag.choices
+        parser.add_argument(f"--{flag.name}", **kw)
+    return flags
+
+
+def _checked(flag: Flag):
+    def convert(text: str):
+        try:
+            return flag.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = flag.kind.__name__
+    return convert
+
+
+def values(ns: argparse.Namespace, flags: list[Flag], role: str) -> dict[str, dict]:
+    """{config: {field: value}} for `role`, from parsed flags."""
+    out: dict[str, dict] = {name: {} for name in CONFIGS}
+    for flag in flags:
+        if role not in flag.roles:
+            continue
+        value = getattr(ns, flag.dest)
+        if flag.kind is list:
+            given = value or []
+            value = [a.strip() for v in given for a in v.split(",") if a.strip()] if given \
+                else getattr(ns, f"{flag.dest}_env")
+            value = tuple(value)
+        for config, field in flag.fills:
+            if config == "router" and role not in ROUTERS:
+                continue
+            if config in ("engine", "worker") and role not in WORKERS:
+                continue
+            out[config][field] = value
+    return out
+
+
+def argv_for(ns: argparse.Namespace, flags: list[Flag], role: str) -> list[str]:
+    """Command-line arguments that give a `role` process the same values (baton up)."""
+    args: list[str] = []
+    for flag in flags:
+        if role not in flag.roles or flag.kind is list:
+            continue
+        value = getattr(ns, flag.dest)
+        if value is None:
+            continue
+        if flag.kind is bool:
+            args.append(f"--{flag.name}" if value else f"--no-{flag.name}")
+        else:
+            args += [f"--{flag.name}", str(value)]
+    return args
+
+
+def fail(message: str) -> None:
+    sys.exit(f"baton: {message}")

@@ -1,0 +1,128 @@
+"""The `baton` command.
+
+    baton serve --role router|prefill|decode|colocated   one service, in the foreground
+    baton up                                               router + prefill + decode locally
+    baton generate "prompt"                                stream a completion to stdout
+    baton health ADDRESS                                   exit 0 if it answers SERVING
+
+Every flag of `serve` and `up` has a BATON_* variable (cli/flags.py). A role's modules
+load only when it runs, so the router never loads the engine (or torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+from cli import generate, up
+from cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
+
+
+def _role_in(argv: list[str]) -> str | None:
+    """The --role of a serve command line (or BATON_ROLE), to show that role's flags."""
+    for i, arg in enumerate(argv):
+        if arg == "--role" and i + 1 < len(argv):
+            return argv[i + 1] if argv[i + 1] in ROLES else None
+        if arg.startswith("--role="):
+            value = arg.split("=", 1)[1]
+            return value if value in ROLES else None
+    role = os.environ.get("BATON_ROLE")
+    return role if role in ROLES else None
+
+
+def _serve_parser(sub, role: str | None) -> list[Flag]:
+    p = sub.add_parser("serve", help="run one service",
+                       description="Run one Baton service in the foreground. "
+                       "With --role, --help lists that role's flags only.")
+    p.add_argument("--role", choices=ROLES, default=os.environ.get("BATON_ROLE"),
+                   required=not os.environ.get("BATON_ROLE"), help="[BATON_ROLE]")
+    p.add_argument("--address", default=os.environ.get("BATON_ADDRESS"),
+                   help="host:port to listen on [BATON_ADDRESS; default: 0.0.0.0 and the "
+                   f"role's port: {DEFAULT_PORTS}]")
+    p.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"),
+                   help="[BATON_LOG_LEVEL; default: INFO]")
+    return add_flags(p, (role,) if role else ROLES)
+
+
+def _serve(args, flags: list[Flag]) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    role = args.role
+    address = args.address or f"0.0.0.0:{DEFAULT_PORTS[role]}"
+    given = values(args, flags, role)
+    try:
+        from router.config import RouterConfig
+
+        router = RouterConfig(address=address, **given["router"])
+        if role == "router" and not router.decode:
+            fail("the router needs --decode addresses (and usually --prefill ones)")
+        if role in WORKERS:
+            from services.engine.config import EngineConfig
+            from services.worker.config import WorkerConfig
+
+            engine = EngineConfig(**given["engine"])
+            worker = dict(given["worker"])
+            worker["engine_id"] = worker.get("engine_id") or f"{role}-{uuid.uuid4().hex[:8]}"
+            if role != "colocated" and not worker.get("kv_transport"):
+                from kv_transfer import default_transport
+
+                worker["kv_transport"] = default_transport()
+            config = WorkerConfig(engine=engine, address=address, **worker)
+    except ValueError as e:
+        fail(str(e))
+    if role == "router":
+        from router.server import serve
+
+        serve(router)
+    elif role == "prefill":
+        from prefill_worker.server import serve
+
+        serve(config)
+    elif role == "decode":
+        from decode_worker.server import serve
+
+        serve(config)
+    else:
+        from cli.colocated import serve
+
+        serve(config, router)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
+    """The command line (and, for serve and up, the BATON_* variables): the arguments,
+    and the flags of the command that runs."""
+    command = argv[0] if argv else None
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Flags (and their variables) are read only for the command that runs.
+    if command == "serve":
+        flags = _serve_parser(sub, _role_in(argv))
+    else:
+        sub.add_parser("serve", help="run one service")
+        flags = []
+    up_flags = up.add_parser(sub, with_flags=command == "up")
+    generate.add_parser(sub)
+    health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
+    health.add_argument("address")
+    return parser.parse_args(argv), flags or up_flags
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, flags = parse(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "serve":
+        _serve(args, flags)
+    elif args.command == "up":
+        up.up(args, flags)
+    elif args.command == "health":
+        from services.serving.processes import is_serving
+
+        sys.exit(0 if is_serving(args.address) else 1)
+    else:
+        generate.generate(args)
+
+
+if __name__ == "__main__":
+    main()

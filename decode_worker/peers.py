@@ -1,0 +1,108 @@
+"""The prefill engines a decode worker has shaken hands with, and the calls it makes to
+them: the handshake and lease releases (event loop), block reads for the gRPC transport
+and lease confirmations (the receiver's threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from kv_transfer.base import KVHandle
+from services.serving.server import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+# A prefill worker that does not confirm a lease in this time is treated as gone (dead or
+# frozen): the pull fails and the load-failure policy applies.
+CONFIRM_TIMEOUT_S = 3.0
+# Block reads over gRPC: a floor, plus time per block (a frozen source fails them too).
+FETCH_BASE_S, FETCH_PER_BLOCK_S = 5.0, 0.05
+
+
+class Peers:
+    def __init__(self):
+        self.address: dict[str, str] = {}  # engine id -> address
+        self.by_address: dict[str, str] = {}  # address -> engine id
+        self._aio: dict[str, tuple[grpc.aio.Channel, wk_grpc.PrefillServiceStub]] = {}
+        self._sync: dict[str, grpc.Channel] = {}  # engine id -> channel (receiver threads)
+        self._confirmed: set[tuple[str, str, int]] = set()  # leases released by confirm
+        self._tasks: set[asyncio.Task] = set()
+
+    def stub(self, address: str) -> wk_grpc.PrefillServiceStub:
+        if address not in self._aio:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._aio[address] = (channel, wk_grpc.PrefillServiceStub(channel))
+        return self._aio[address][1]
+
+    def add(self, engine_id: str, address: str) -> None:
+        self.address[engine_id], self.by_address[address] = address, engine_id
+        self._sync[engine_id] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    def forget(self, address: str) -> None:
+        """Drop a peer (it restarted under a new engine id): shake hands again next time."""
+        eid = self.by_address.pop(address, None)
+        if eid is not None:
+            self.address.pop(eid, None)
+            channel = self._sync.pop(eid, None)
+            if channel is not None:
+                channel.close()
+
+    # ---- the receiver's threads ------------------------------------------------------
+
+    def fetch(self, handle: KVHandle, block_ids: list[int]):
+        """Block bytes over the gRPC transport (the source checks the lease around it)."""
+        stub = wk_grpc.WorkerServiceStub(self._channel(handle.engine_id))
+        req = wk.ReadKvBlocksRequest(request_id=handle.request_id, lease_id=handle.lease_id,
+                                     block_ids=block_ids)
+        timeout = FETCH_BASE_S + FETCH_PER_BLOCK_S * len(block_ids)
+        for msg in stub.ReadKvBlocks(req, timeout=timeout):
+            yield msg.data
+
+    def confirm(self, handle: KVHandle) -> bool:
+        """After a pull: release the lease at the source; True iff it was still held."""
+        stub = wk_grpc.PrefillServiceStub(self._channel(handle.engine_id))
+        reply = stub.ReleaseKv(wk.ReleaseKvRequest(request_id=handle.request_id,
+                                                   lease_id=handle.lease_id),
+                               timeout=CONFIRM_TIMEOUT_S)
+        self._confirmed.add((handle.engine_id, handle.request_id, handle.lease_id))
+        return reply.released
+
+    def _channel(self, engine_id: str) -> grpc.Channel:
+        channel = self._sync.get(engine_id)
+        if channel is None:
+            raise ConnectionError(f"unknown peer {engine_id!r}")
+        return channel
+
+    # ---- the event loop --------------------------------------------------------------
+
+    def release_soon(self, handle: KVHandle) -> None:
+        """Release the lease (in the background) unless a confirmation already did."""
+        key = (handle.engine_id, handle.request_id, handle.lease_id)
+        if key in self._confirmed:
+            self._confirmed.discard(key)
+            return
+        address = self.address.get(handle.engine_id)
+        if address is None:
+            return
+        stub = self.stub(address)
+
+        async def call():
+            try:
+                await stub.ReleaseKv(wk.ReleaseKvRequest(request_id=handle.request_id,
+                                                         lease_id=handle.lease_id), timeout=10)
+            except grpc.aio.AioRpcError as e:  # the lease expires on its own
+                log.warning("release of %s on %s failed: %s", handle.request_id,
+                            handle.engine_id, e.code())
+
+        task = asyncio.get_running_loop().create_task(call())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for channel in self._sync.values():
+            channel.close()
+        self._sync.clear()

@@ -1,0 +1,169 @@
+"""How the router calls one worker: over gRPC (GrpcWorkerClient), or in the same process
+(LocalWorkerClient, the colocated server). Both raise WorkerError for a failed call, so
+the router's logic is the same either way.
+
+A worker that stops answering (frozen, or dead without closing its connections) is
+noticed by the registry's stats polls, which then call `fail_inflight()`: every call in
+flight to that worker ends with WorkerError(UNAVAILABLE), and the router moves those
+requests on, as if the worker had died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from services.serving.errors import BY_CODE, ServiceError, retry_after_s
+from services.serving.server import CHANNEL_OPTIONS, status_of
+
+# What a worker that failed (died, froze, or whose engine failed) looks like: the request
+# goes to another worker. A deliberate refusal (ABORTED, INVALID_ARGUMENT, ...) does not.
+WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class WorkerError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after: float | None = None):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.retry_after_s = retry_after
+
+    @property
+    def worker_down(self) -> bool:
+        return self.code in WORKER_DOWN
+
+    def as_service_error(self, where: str) -> ServiceError:
+        """The error to give the client: the worker's code for what the client caused
+        (bad input, overload with its retry hint, its deadline), else UNAVAILABLE."""
+        cls = BY_CODE.get(self.code)
+        if cls is None or self.code in WORKER_DOWN or self.code == grpc.StatusCode.ABORTED:
+            cls = BY_CODE[grpc.StatusCode.UNAVAILABLE]
+        err = cls.__new__(cls)
+        ServiceError.__init__(err, f"{where}: {self.details}", self.retry_after_s)
+        return err
+
+
+class GrpcWorkerClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._inflight: dict[object, bool] = {}  # call -> failed by fail_inflight()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def fail_inflight(self) -> None:
+        for call in list(self._inflight):
+            self._inflight[call] = True
+            call.cancel()
+
+    def _error(self, call, e: BaseException) -> WorkerError | None:
+        """The WorkerError for a call that ended with `e`, or None to re-raise `e`."""
+        if isinstance(e, grpc.aio.AioRpcError):
+            return WorkerError(e.code(), e.details() or "", retry_after_s(e.trailing_metadata()))
+        task = asyncio.current_task()
+        if (isinstance(e, asyncio.CancelledError) and self._inflight.get(call)
+                and not (task is not None and task.cancelling())):
+            return WorkerError(grpc.StatusCode.UNAVAILABLE,
+                               f"worker {self.address} stopped answering")
+        return None
+
+    async def _unary(self, call):
+        self._inflight[call] = False
+        try:
+            return await call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            err = self._error(call, e)
+            if err is None:
+                raise
+            raise err from None
+        finally:
+            self._inflight.pop(call, None)
+
+    async def prefill(self, req: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse:
+        return await self._unary(wk_grpc.PrefillServiceStub(self.channel).Prefill(
+            req, timeout=timeout))
+
+    async def decode(self, req: wk.DecodeRequest, timeout: float
+                     ) -> AsyncIterator[wk.DecodeResponse]:
+        call = wk_grpc.DecodeServiceStub(self.channel).Decode(req, timeout=timeout)
+        self._inflight[call] = False
+        try:
+            async for msg in call:
+                yield msg
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            err = self._error(call, e)
+            if err is None:
+                raise
+            raise err from None
+        finally:
+            self._inflight.pop(call, None)
+            call.cancel()  # a no-op when done; else the caller left: end it on the worker
+
+    async def release(self, request_id: str, lease_id: int = 0) -> bool:
+        reply = await self._unary(wk_grpc.PrefillServiceStub(self.channel).ReleaseKv(
+            wk.ReleaseKvRequest(request_id=request_id, lease_id=lease_id), timeout=10))
+        return reply.released
+
+    async def stats(self, timeout: float) -> wk.GetStatsResponse:
+        return await self._unary(wk_grpc.WorkerServiceStub(self.channel).GetStats(
+            wk.GetStatsRequest(), timeout=timeout))
+
+    async def connect(self, prefill_address: str) -> wk.ConnectResponse:
+        return await self._unary(wk_grpc.DecodeServiceStub(self.channel).Connect(
+            wk.ConnectRequest(prefill_address=prefill_address), timeout=30))
+
+
+class LocalWorkerClient:
+    """A worker in this process: its servicers called directly (no serialization, no
+    network). Errors they raise become WorkerErrors, as their status codes would."""
+
+    def __init__(self, address: str, decode_servicer, worker_servicer):
+        self.address = address
+        self._decode = decode_servicer
+        self._worker = worker_servicer
+
+    async def close(self) -> None:
+        pass
+
+    def fail_inflight(self) -> None:
+        pass  # it cannot freeze without freezing us
+
+    @staticmethod
+    def _error(e: Exception) -> WorkerError:
+        code, details = status_of(e)
+        return WorkerError(code, details, getattr(e, "retry_after_s", None))
+
+    async def decode(self, req: wk.DecodeRequest, timeout: float
+                     ) -> AsyncIterator[wk.DecodeResponse]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with aclosing(self._decode.Decode(req, None)) as replies:
+                while True:
+                    try:
+                        msg = await asyncio.wait_for(anext(replies), deadline - loop.time())
+                    except StopAsyncIteration:
+                        return
+                    yield msg
+        except TimeoutError:
+            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        except (ServiceError, ValueError, TypeError) as e:
+            raise self._error(e) from None
+
+    async def stats(self, timeout: float) -> wk.GetStatsResponse:
+        return await self._worker.GetStats(wk.GetStatsRequest(), None)
+
+    async def prefill(self, req, timeout):  # a colocated worker has no prefill worker
+        raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")
+
+    async def release(self, request_id: str, lease_id: int = 0) -> bool:
+        return False
+
+    async def connect(self, prefill_address: str):
+        raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")

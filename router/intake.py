@@ -1,0 +1,102 @@
+"""What a request becomes before any worker sees it: checked, tokenized, and bounded.
+
+Every check names the field it refuses (INVALID_ARGUMENT). Text and chat content are
+bounded before tokenizing (no tokenizer packs more than MAX_CHARS_PER_TOKEN characters
+into a token, so more than that many per token of max_model_len cannot fit), and the
+tokenizer runs on a worker thread: a multi-megabyte prompt never stalls the event loop
+that streams every other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from baton.v1 import generation_pb2 as gen
+from services.serving.convert import chat_messages, sampling_kwargs
+from services.serving.errors import InvalidArgument
+from services.serving.sampling_params import SamplingParams
+from services.serving.tokenizer import Tokenizer
+
+MAX_CHARS_PER_TOKEN = 64
+DEFAULT_MAX_MODEL_LEN = 32768  # the bound before any worker has said its own
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class Job:
+    """A validated request: the id the client knows, the id the workers see, the prompt."""
+
+    client_id: str
+    request_id: str
+    prompt_ids: list[int]
+    request: gen.GenerateRequest
+
+
+class Intake:
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2):
+        self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+
+    async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
+        """Validate `request` against the model (`info`, when a worker has said it)."""
+        try:  # the engine's own rules, before any worker sees the request
+            SamplingParams(**sampling_kwargs(request.sampling))
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(f"sampling: {e}") from None
+        ids = await self.prompt_ids(request, info)
+        if not ids:
+            raise InvalidArgument("prompt: empty (send text, token_ids or chat)")
+        if info is not None:
+            bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary "
+                                      f"[0, {info.vocab_size})")
+            if len(ids) >= info.max_model_len:
+                raise InvalidArgument(f"prompt: {len(ids)} tokens; max_model_len is "
+                                      f"{info.max_model_len}")
+        client_id = request.request_id or uuid.uuid4().hex
+        # Workers see a unique id, so two clients that pick the same id (or a retry) can
+        # never touch each other's request or lease.
+        rid = f"{client_id}-{uuid.uuid4().hex[:12]}" if request.request_id else client_id
+        return Job(client_id, rid, ids, request)
+
+    async def prompt_ids(self, request, info: gen.ModelInfo | None) -> list[int]:
+        """The prompt of a Generate or Tokenize request as token ids."""
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        limit = MAX_CHARS_PER_TOKEN * (info.max_model_len if info else DEFAULT_MAX_MODEL_LEN)
+        if kind == "text":
+            if len(request.text) > limit:
+                raise InvalidArgument(f"text: {len(request.text)} characters cannot fit in "
+                                      f"{limit // MAX_CHARS_PER_TOKEN} tokens")
+            return await self._run(self.tokenizer.encode, request.text)
+        if kind == "chat":
+            messages = check_chat(request.chat, limit)
+            return await self._run(self.tokenizer.apply_chat_template, messages)
+        raise InvalidArgument("prompt: the request has none (send text, token_ids or chat)")
+
+    async def _run(self, fn, arg):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_chat(chat: gen.ChatMessages, max_chars: int) -> list[dict[str, str]]:
+    """The messages, or InvalidArgument naming the first bad field."""
+    if not chat.messages:
+        raise InvalidArgument("chat.messages: empty; send at least one message")
+    total = 0
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role: {m.role!r} is not one of "
+                                  f"{', '.join(CHAT_ROLES)}")
+        total += len(m.content)
+    if total > max_chars:
+        raise InvalidArgument(f"chat.messages: {total} characters of content cannot fit in "
+                              f"{max_chars // MAX_CHARS_PER_TOKEN} tokens")
+    return chat_messages(chat)

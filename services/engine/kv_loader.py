@@ -1,0 +1,129 @@
+"""Decode role: pulling a request's prompt KV from the engine that prefilled it.
+
+One component, driven by the scheduler, the only place a remote request's blocks change
+while its KV is in flight. Its contract:
+
+- `start(request)`: called by the scheduler's one admission path when a request with a
+  KV handle (`request.remote`) reaches the head of the waiting queue. The prompt blocks
+  our own prefix cache already holds are taken as hits; the rest are allocated
+  unpublished and the receiver starts copying into them. Returns False, with nothing
+  changed, when the pool is short. A handle already past its deadline starts no pull: it
+  lands as failed at the next `land`.
+- `land()`: every pull the receiver reports done. On success the blocks are published to
+  the prefix cache and the prompt counts as computed; on failure the request's blocks are
+  freed. Returns (request, error or None) for each live request; requests abandoned
+  while loading are freed here and not returned.
+- `abandon(request)`: the request ended while its pull is in flight. Its blocks stay
+  allocated until the receiver lets go of them (it may still write), then `land` frees
+  them. `busy` stays True until then.
+- `wait(budget_s)`: poll until a pull lands or the budget is spent: a prompt's blocks are
+  a few MB and usually land within a millisecond or two, so the request can decode in
+  this step instead of the next.
+
+Request status is the scheduler's to set; this component never touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kv_transfer.base import KVReceiver, TransferState
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class RemoteKVLoader:
+    def __init__(self, kv: KVCacheManager, receiver: KVReceiver):
+        self.kv = kv
+        self.receiver = receiver
+        self.loading: dict[str, Request] = {}  # pulls in flight, abandoned ones included
+        self._abandoned: set[str] = set()
+        self._settled: dict[str, str | None] = {}  # decided without the receiver: error
+        self.num_blocks_pulled = 0  # remote blocks copied in
+        self.num_blocks_local = 0  # remote blocks found in our own prefix cache instead
+        self.num_failures = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loading)
+
+    def start(self, req: Request) -> bool:
+        handle = req.remote
+        assert handle is not None, "start() takes requests with a KV handle"
+        now = time.monotonic()
+        req.load_start = now
+        if now > handle.deadline:  # the prefill engine may have reused those blocks
+            self.loading[req.request_id] = req
+            self._settled[req.request_id] = (
+                "the prefill worker's lease ended before the pull could start")
+            return True
+        hits = self.kv.get_computed_blocks(req)[:len(handle.block_ids)]
+        num_local = len(hits) * self.kv.block_size
+        if not self.kv.allocate_slots(req, handle.num_tokens - num_local, hits,
+                                      publish=False):
+            return False
+        req.num_computed_tokens = num_local
+        req.num_cached_tokens = num_local
+        self.kv.record_lookup(handle.num_tokens, num_local)
+        local_ids = self.kv.block_ids(req.request_id)[len(hits):]
+        remote_ids = list(handle.block_ids[len(hits):])
+        self.num_blocks_local += len(hits)
+        self.loading[req.request_id] = req
+        if not remote_ids:  # every block was in our own prefix cache
+            self._settled[req.request_id] = None
+            return True
+        self.num_blocks_pulled += len(local_ids)
+        self.receiver.start_load(req.request_id, handle, remote_ids, local_ids)
+        return True
+
+    def abandon(self, req: Request) -> None:
+        if req.request_id in self.loading:
+            self._abandoned.add(req.request_id)
+
+    def land(self) -> list[tuple[Request, str | None]]:
+        landed = []
+        for rid, req in list(self.loading.items()):
+            if rid in self._settled:
+                error = self._settled.pop(rid)
+            else:
+                state, error = self.receiver.poll(rid)
+                if not state.done:
+                    continue
+                if state is TransferState.FAILED:
+                    error = error or "transfer failed"
+            del self.loading[rid]
+            req.load_end = time.monotonic()
+            if rid in self._abandoned:
+                self._abandoned.discard(rid)
+                self.kv.free(req)
+                continue
+            if error is not None:
+                self.num_failures += 1
+                self.kv.free(req)
+            else:
+                req.num_computed_tokens = req.remote.num_tokens
+                self.kv.publish(req, req.num_computed_tokens)
+            landed.append((req, error))
+        return landed
+
+    def wait(self, budget_s: float) -> None:
+        """Sleep-poll until some pull is done or `budget_s` has passed."""
+        deadline = time.monotonic() + budget_s
+        while self.loading and not self._settled and time.monotonic() < deadline:
+            if any(self._peek_done(rid) for rid in self.loading):
+                return
+            time.sleep(0.0002)
+
+    def _peek_done(self, rid: str) -> bool:
+        # poll() forgets a finished transfer, so remember its answer for land().
+        if rid in self._settled:
+            return True
+        state, error = self.receiver.poll(rid)
+        if not state.done:
+            return False
+        self._settled[rid] = None if state is TransferState.SUCCESS else (
+            error or "transfer failed")
+        return True

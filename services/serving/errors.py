@@ -1,0 +1,89 @@
+"""What a handler raises instead of aborting by hand. The server's one interceptor
+(services/serving/server.py) turns each into its gRPC status code:
+
+    ServiceError subclass        its `code` (below)
+    IncompatibleLayout           FAILED_PRECONDITION (KV layouts differ)
+    ValueError, TypeError        INVALID_ARGUMENT (bad input; the message names the field)
+    anything else                INTERNAL (logged with its traceback)
+
+RESOURCE_EXHAUSTED always carries the retry hint, written once (`retry_metadata`): Baton's
+own `retry-after-ms`, and gRPC's standard `grpc-retry-pushback-ms` that stock clients
+with a retry policy honour.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+RETRY_AFTER_S = 1.0  # the default hint with RESOURCE_EXHAUSTED
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Overloaded(ServiceError):
+    """A queue is full: the caller should come back after `retry_after_s`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S):
+        super().__init__(f"{message}; retry after {retry_after_s:.1f}s", retry_after_s)
+
+
+class Unavailable(ServiceError):
+    """No worker can serve, a worker is draining, or a hop failed: try again elsewhere."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(ServiceError):
+    """A deliberate end (a KV pull failed under the "fail" policy): not to be retried."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Internal(ServiceError):
+    code = grpc.StatusCode.INTERNAL
+
+
+# A status code as it comes back from a downstream call, as the error to raise here.
+BY_CODE = {cls.code: cls for cls in (InvalidArgument, Overloaded, Unavailable,
+                                     FailedPrecondition, Aborted, DeadlineExceeded,
+                                     Unauthenticated, Internal)}
+
+
+def retry_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:
+    ms = str(max(0, int(retry_after_s * 1000)))
+    return (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms))
+
+
+def retry_after_s(metadata) -> float | None:
+    """The hint in a downstream call's trailing metadata, if any."""
+    for key, value in metadata or ():
+        if key in ("retry-after-ms", "grpc-retry-pushback-ms"):
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None

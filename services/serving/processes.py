@@ -1,0 +1,67 @@
+"""Baton services as child processes, for `baton up`, the benchmarks and the e2e tests:
+start one, wait until it answers health checks, stop them all (each drains first)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def serve_command(role: str, address: str, *flags: str) -> list[str]:
+    """The command line of `baton serve` for `role` on `address`."""
+    return [sys.executable, "-m", "cli", "serve", "--role", role, "--address", address,
+            *flags]
+
+
+def spawn(role: str, address: str, flags: list[str], **popen) -> subprocess.Popen:
+    popen.setdefault("start_new_session", True)
+    return subprocess.Popen(serve_command(role, address, *flags), **popen)
+
+
+def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Block until `address` answers SERVING, or raise if the process died or time ran out."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the service for {address} exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} was not healthy after {timeout:.0f}s")
+
+
+def is_serving(address: str, timeout: float = 3.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 40.0) -> None:
+    """SIGTERM each, then wait: a service drains its in-flight requests (up to its
+    --drain-grace, 30 s by default) before it exits. SIGKILL after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # a test may have frozen it
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

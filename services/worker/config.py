@@ -1,0 +1,31 @@
+"""A worker's settings beyond its engine's (the CLI's flag table fills them; defaults live
+here and in EngineConfig only). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.config import EngineConfig
+from services.serving.server import DRAIN_GRACE_S
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    address: str = "0.0.0.0:50061"
+    engine_id: str = ""  # unique per process start; the CLI makes one
+    kv_transport: str | None = None  # "nixl" or "grpc"; the CLI picks NIXL when it loads
+    max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
+    threads: int | None = None  # torch intra-op threads; default torch's choice
+    drain_grace: float = DRAIN_GRACE_S
+    inject_kv_failure: str | None = None  # test hook: every KV pull fails with this
+
+    def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+    @property
+    def max_waiting(self) -> int:
+        return self.max_queue if self.max_queue is not None else 4 * self.engine.max_num_seqs

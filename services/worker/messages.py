@@ -1,0 +1,49 @@
+"""Proto messages from and to the engine's types: one place for each conversion."""
+
+from __future__ import annotations
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from kv_transfer.base import KVLayout
+from services.engine.outputs import ModelInfo, RequestOutput
+from services.serving.convert import FINISH, logprobs_messages, sampling_kwargs, set_stop_reason
+from services.serving.sampling_params import SamplingParams
+
+
+def sampling_params(msg: gen.SamplingParams) -> SamplingParams:
+    return SamplingParams(**sampling_kwargs(msg))
+
+
+def layout_message(layout: KVLayout) -> wk.KvLayout:
+    return wk.KvLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
+                       num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, fingerprint=layout.fingerprint)
+
+
+def layout_from_message(msg: wk.KvLayout) -> KVLayout:
+    return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
+                    num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
+                    head_dim=msg.head_dim)
+
+
+def model_info_message(info: ModelInfo) -> gen.ModelInfo:
+    return gen.ModelInfo(model=info.model, architecture=info.architecture,
+                         max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                         eos_token_ids=list(info.eos_token_ids), block_size=info.block_size,
+                         dtype=info.dtype)
+
+
+def timings_message(out: RequestOutput) -> gen.Timings:
+    return gen.Timings(queue_s=out.queue_time or 0.0, prefill_s=out.prefill_time or 0.0,
+                       kv_transfer_s=out.transfer_time or 0.0)
+
+
+
+def delta_message(out: RequestOutput) -> gen.TokenDelta:
+    """This step of a request as the wire's one token delta (every service streams it)."""
+    delta = gen.TokenDelta(token_ids=out.new_token_ids, text=out.new_text,
+                           finish_reason=FINISH[out.finish_reason])
+    if out.logprobs and out.new_token_ids:
+        delta.logprobs.extend(logprobs_messages(out.logprobs[-len(out.new_token_ids):]))
+    set_stop_reason(delta, out.stop_reason)
+    return delta

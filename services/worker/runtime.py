@@ -1,0 +1,59 @@
+"""What prefill, decode and colocated workers share: the engine on its thread, the
+WorkerService and the drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine, ReceiverFactory
+from services.serving.server import Lifecycle, method_name, run_server, service_name
+from services.worker.async_engine import AsyncEngine
+from services.worker.config import WorkerConfig
+from services.worker.worker_service import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(config: EngineConfig, threads: int | None,
+                kv_receiver: ReceiverFactory | None = None) -> LLMEngine:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return LLMEngine(config, kv_receiver=kv_receiver)
+
+
+def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
+               add_servicer: Callable[[grpc.aio.Server, AsyncEngine], None],
+               closers=()) -> None:
+    """Serve `engine` in `role` until SIGTERM, then drain: the role's servicer (added by
+    `add_servicer(server, aengine)`, `service` in worker.proto, whose `Prefill` or `Decode`
+    is the new work a drain refuses) and WorkerService. The drain ends when the engine
+    holds nothing: no request, and (prefill) no lease a decode worker has yet to pull."""
+    aengine = AsyncEngine(engine, config.max_waiting)
+    work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
+    lifecycle = Lifecycle((method_name(wk, service, work),))
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        add_servicer(server, aengine)
+        wk_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(aengine, config.engine_id, role, lifecycle), server)
+        return [service_name(wk, service), service_name(wk, "WorkerService")]
+
+    async def stop():
+        aengine.stop()
+        for close in closers:
+            close()
+
+    log.info("%s engine %s, KV transport %s, layout %s", role, config.engine_id,
+             config.kv_transport, engine.kv_layout.fingerprint)
+    asyncio.run(run_server(config.address, register, lifecycle,
+                           idle=lambda: aengine.stats.idle, on_stop=stop,
+                           grace_s=config.drain_grace))

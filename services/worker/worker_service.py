@@ -1,0 +1,66 @@
+"""WorkerService, on every worker: its load and state for the router (from the engine
+thread's snapshot, never the live engine), and leased KV blocks as bytes for the gRPC
+fallback transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from kv_transfer.blocks import read_blocks
+from services.serving.errors import FailedPrecondition, InvalidArgument
+from services.serving.server import Lifecycle
+from services.worker.async_engine import AsyncEngine
+from services.worker.messages import layout_message, model_info_message
+
+READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
+
+
+class WorkerServicer(wk_grpc.WorkerServiceServicer):
+    def __init__(self, aengine: AsyncEngine, engine_id: str, role: str, lifecycle: Lifecycle):
+        engine = aengine.engine
+        self.aengine = aengine
+        self.engine_id = engine_id
+        self.role = role
+        self.lifecycle = lifecycle
+        self.kv_caches = engine.kv_caches
+        self.num_blocks = engine.kv_caches[0].shape[2]
+        self.layout = layout_message(engine.kv_layout)
+        self.model_info = model_info_message(engine.model_info)
+
+    async def GetStats(self, request, context):
+        s = self.aengine.stats
+        return wk.GetStatsResponse(
+            engine_id=self.engine_id, role=self.role, num_waiting=s.num_waiting,
+            num_running=s.num_running, num_loading=s.num_loading, num_leases=s.num_leases,
+            num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
+            num_blocks_pulled=s.num_blocks_pulled, num_blocks_local=s.num_blocks_local,
+            model_info=self.model_info, layout=self.layout,
+            num_load_failures=s.num_load_failures, num_leases_expired=s.num_leases_expired,
+            draining=self.lifecycle.draining, num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits)
+
+    async def ReadKvBlocks(self, request, context):
+        """The blocks held under lease `lease_id` of `request_id`, checked on the engine
+        thread before the read and again after it (a lease that ended meanwhile fails the
+        read: its bytes may be another request's)."""
+        ids = list(request.block_ids)
+        if any(not 0 < b < self.num_blocks for b in ids):
+            raise InvalidArgument(f"block_ids: must be in 1..{self.num_blocks - 1}")
+        if not request.request_id or not request.lease_id:
+            raise InvalidArgument("request_id and lease_id: both are required")
+        await self._check_leased(request.request_id, request.lease_id, ids, "before")
+        for i in range(0, len(ids), READ_CHUNK_BLOCKS):
+            chunk = ids[i:i + READ_CHUNK_BLOCKS]
+            # Off the event loop: a long prompt is tens of MB to gather.
+            data = await asyncio.to_thread(read_blocks, self.kv_caches, chunk)
+            yield wk.ReadKvBlocksResponse(data=data)
+        await self._check_leased(request.request_id, request.lease_id, ids, "after")
+
+    async def _check_leased(self, rid: str, lease_id: int, ids: list[int], when: str) -> None:
+        held = await self.aengine.call(lambda e: e.lease_blocks(rid, lease_id))
+        if held is None or not set(ids) <= set(held):
+            raise FailedPrecondition(f"blocks are not held under lease {lease_id} of "
+                                     f"request {rid!r} ({when} the read)")

@@ -1,0 +1,62 @@
+"""What every e2e test shares: requests, their joined output, worker stats, the leak check."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from tests.e2e.topology import channel
+
+
+def greedy(max_tokens: int, **kw) -> gen.SamplingParams:
+    return gen.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run(router: str, request: gen.GenerateRequest, timeout: float = 120):
+    with channel(router) as ch:
+        return list(gen_grpc.GenerationStub(ch).Generate(request, timeout=timeout))
+
+
+def joined(msgs) -> tuple[list[int], str]:
+    """Tokens and text of a stream of responses that carry a `delta` (any service's)."""
+    return [t for m in msgs for t in m.delta.token_ids], "".join(m.delta.text for m in msgs)
+
+
+def until_served(router: str, req: gen.GenerateRequest, timeout: float = 30.0):
+    """Run `req`, retrying while the router answers UNAVAILABLE (workers not paired yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return run(router, req, timeout=60)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def stats(address: str) -> wk.GetStatsResponse:
+    with channel(address) as ch:
+        return wk_grpc.WorkerServiceStub(ch).GetStats(wk.GetStatsRequest(), timeout=5)
+
+
+def all_free(address: str) -> bool:
+    s = stats(address)
+    return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==
+            s.num_loading == s.num_leases == 0)
+
+
+def all_free_within(addresses: list[str], seconds: float) -> bool:
+    """Whether every worker at `addresses` holds nothing within `seconds` (releases and
+    aborts travel over RPCs, so give them a moment)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if all(all_free(a) for a in addresses):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

@@ -1,0 +1,152 @@
+"""Faults an outside probe found, with real processes: a pull after the lease ended, a
+frozen worker, a drained prefill worker. Each compares text with an undisturbed run.
+
+One topology for the module: a prefill worker with a tiny KV pool (28 blocks, so other
+prompts reuse freed blocks at once) and a short lease, two decode workers, a router.
+The drain test runs last: it stops the prefill worker.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from services.engine import SamplingParams
+from tests.e2e.helpers import greedy, joined, run, stats, until_served
+from tests.e2e.topology import Topology, channel
+
+LEASE_S = 4.0
+VICTIM = "A lighthouse keeper writes in her log every night about the sea. " * 5
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory, model_path):
+    topo = Topology(tmp_path_factory.mktemp("faults"))
+    try:
+        nixl = ("--kv-transport", "nixl")
+        p = topo.worker("prefill", *nixl, "--kv-cache-gib", "0.02", "--kv-lease-timeout",
+                        str(LEASE_S), wait=False)
+        d1 = topo.worker("decode", *nixl, wait=False)
+        d2 = topo.worker("decode", *nixl, wait=False)
+        topo.wait()
+        router = topo.start("router", "--prefill", p, "--decode", d1, "--decode", d2)
+        until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
+        yield {"topology": topo, "p": p, "d1": d1, "d2": d2, "router": router}
+    finally:
+        topo.stop()
+
+
+def _prefill(address: str, rid: str, ids: list[int], max_tokens: int) -> wk.PrefillResponse:
+    with channel(address) as ch:
+        return wk_grpc.PrefillServiceStub(ch).Prefill(wk.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=greedy(max_tokens)), timeout=60)
+
+
+def _fill(prefill: str, offline, n: int = 4) -> None:
+    """Prompts that take every block of the prefill worker's pool, and give it back."""
+    for i in range(n):
+        ids = offline.engine.tokenizer.encode(f"Filler {i}: the quick brown fox. " * 40)[:400]
+        _prefill(prefill, f"fill-{i}-{time.monotonic()}", ids, 1)  # ends at once: no lease
+
+
+def _holds(s: wk.GetStatsResponse) -> bool:
+    return s.num_waiting + s.num_running + s.num_leases > 0
+
+
+def _wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def test_a_pull_after_the_lease_ended_never_serves_another_requests_kv(faults, offline):
+    """The decode worker is paused while the prefill worker answers; the lease expires and
+    other prompts take its blocks; the decode worker resumes and pulls. It must notice
+    the blocks are no longer that request's and recompute: the undisturbed text."""
+    p, d1 = faults["p"], faults["d1"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = offline.generate([VICTIM], params)[0]
+    ids = ref.prompt_token_ids
+    with channel(d1) as ch:  # the router has paired them already; this is idempotent
+        wk_grpc.DecodeServiceStub(ch).Connect(wk.ConnectRequest(prefill_address=p), timeout=30)
+    first = _prefill(p, "victim", ids, 16)
+    failures = stats(d1).num_load_failures
+    expired = stats(p).num_leases_expired
+    topo = faults["topology"]
+    topo.kill(d1, signal.SIGSTOP)
+    got: dict[str, object] = {}
+
+    def decode() -> None:
+        req = wk.DecodeRequest(request_id="victim", prompt_token_ids=ids,
+                               first_token_id=first.delta.token_ids[0],
+                               sampling=greedy(16, ignore_eos=True), handle=first.handle,
+                               prefill_address=p)
+        try:
+            with channel(d1) as ch:
+                got["msgs"] = list(wk_grpc.DecodeServiceStub(ch).Decode(req, timeout=60))
+        except grpc.RpcError as e:
+            got["error"] = (e.code(), e.details())
+
+    thread = threading.Thread(target=decode)
+    try:
+        thread.start()
+        _wait_for(lambda: stats(p).num_leases_expired > expired, LEASE_S + 5,
+                  "the victim's lease never expired")
+        _fill(p, offline)
+    finally:
+        topo.kill(d1, signal.SIGCONT)
+    thread.join(timeout=60)
+    assert "error" not in got, got
+    tokens, text = joined([first, *got["msgs"]])
+    assert (tokens, text) == (ref.token_ids, ref.text)
+    assert stats(d1).num_load_failures == failures + 1  # noticed, then recomputed
+
+
+def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline):
+    """A prefill worker told to stop finishes the prompts it holds and hands their KV to
+    the decode workers (no recompute); health reads NOT_SERVING meanwhile; every request
+    gets the undisturbed text. Runs last: the prefill worker is gone afterwards."""
+    p, router = faults["p"], faults["router"]
+    # About 100 tokens each: four fit in the prefill worker's pool at once, so when the
+    # drain starts some are still waiting, some prefilling, some held under leases.
+    prompts = [f"Drain probe {i}: tell me about harbours and their ships. " * 8
+               for i in range(6)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    before = {d: stats(faults[d]) for d in ("d1", "d2")}
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        try:
+            results[i] = joined(run(router, gen.GenerateRequest(text=prompts[i],
+                                                                sampling=greedy(8))))
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: _holds(stats(p)), 30, "the prefill worker got no prompt")
+    proc = faults["topology"].kill(p, signal.SIGTERM)
+    time.sleep(0.5)  # well into the drain: health must still answer, NOT_SERVING
+    with channel(p) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=5)
+    for t in threads:
+        t.join(timeout=120)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert [results.get(i) for i in range(6)] == [(w.token_ids, w.text) for w in want]
+    assert proc is not None and proc.wait(timeout=60) == 0
+    after = {d: stats(faults[d]) for d in ("d1", "d2")}
+    assert sum(after[d].num_load_failures - before[d].num_load_failures for d in after) == 0
+    assert sum(after[d].num_blocks_pulled - before[d].num_blocks_pulled for d in after) > 0
+

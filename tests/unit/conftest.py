@@ -1,0 +1,46 @@
+"""Fixtures of the engine API tests (test_engine_*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.engine_helpers import N_REF, STORY, greedy
+
+
+@pytest.fixture(scope="module")
+def small(make_llm):
+    """max_model_len 40, priority scheduling, and a KV budget of only 14 blocks (13 usable,
+    208 tokens): too few for 6 requests of up to 40 tokens (3 blocks each)."""
+    return make_llm(dtype="float32", max_model_len=40, max_num_seqs=8,
+                    max_num_batched_tokens=128, scheduling_policy="priority",
+                    kv_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def ref(llm):
+    """Greedy reference continuation of STORY, EOS ignored."""
+    out = llm.generate(STORY, greedy(ignore_eos=True))[0]
+    assert len(out.token_ids) == N_REF and out.finish_reason == "length"
+    assert len(out.text) > 60, "reference too short to cut stop strings from"
+    return out
+
+
+@pytest.fixture
+def start_clean(llm, small):
+    """If an earlier test failed mid-way (and was reported by the conftest invariant),
+    abort what it left behind so the shared engines start this test empty."""
+    for x in (llm, small):
+        for rid in list(x.engine.scheduler.requests):
+            x.engine.abort_request(rid)
+    yield
+
+
+
+
+@pytest.fixture(scope="session")
+def tok(model_path):
+    """The default model's path, with the tokenizer folder the router reads saved."""
+    from services.engine.tokenizer import load_tokenizer
+
+    load_tokenizer(model_path)
+    return model_path

@@ -1,0 +1,36 @@
+"""What the engine API tests share: greedy params, the idle check, stepping an engine
+to the end, and the clean start of each test."""
+
+from __future__ import annotations
+
+from services.engine import LLM, SamplingParams
+
+EOS = 2
+STORY = "Once upon a time, in a land far away, there lived a"
+N_REF = 32
+
+
+def greedy(max_tokens: int = N_REF, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def assert_idle(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.pool.check_all_free()
+
+
+def run_steps(engine, max_steps: int = 10_000):
+    """Step the engine; return ({id: [outputs in order]}, [ids in finish order])."""
+    per_req: dict[str, list] = {}
+    finished: list[str] = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            per_req.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                assert out.request_id not in finished, "a request finished twice"
+                finished.append(out.request_id)
+    else:
+        raise AssertionError("engine did not drain")
+    return per_req, finished

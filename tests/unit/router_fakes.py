@@ -1,0 +1,247 @@
+"""Fake prefill and decode workers on loopback grpc.aio, and the real router in front of
+them: the router's logic tested without a model, fast.
+
+The fakes' "model" is a formula: output token k of prompt P is `token(P, k)`, whichever
+worker computes it. So a stream that moved between workers must still read
+token(P, 0), token(P, 1), ... with no gap and no repeat. Leases are real enough: a prefill
+fake holds each handle's lease until someone releases it, and a decode fake that takes a
+handle releases it at the source, as the real decode worker's lease check does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from router.clients import GrpcWorkerClient
+from router.config import RouterConfig
+from router.server import build
+from services.serving.errors import retry_metadata
+from services.serving.server import Lifecycle, make_server, method_name, service_name
+
+VOCAB, MAX_LEN = 49152, 65536
+PROMPT = list(range(100, 140))
+FAKES: dict[str, FakeWorker] = {}  # engine id -> fake, so a decode fake reaches its source
+_lease_ids = itertools.count(1)
+
+
+def token(prompt: list[int], k: int) -> int:
+    return (sum(prompt) * 31 + k * 7) % 997 + 3
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    return [token(prompt, k) for k in range(max_tokens)]
+
+
+def request(prompt: list[int], max_tokens: int, **kw) -> gen.GenerateRequest:
+    return gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt),
+                               sampling=gen.SamplingParams(max_tokens=max_tokens), **kw)
+
+
+def tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.delta.token_ids]
+
+
+def _delta(prompt: list[int], k: int, last: bool) -> gen.TokenDelta:
+    t = token(prompt, k)
+    return gen.TokenDelta(token_ids=[t], text=f"<{t}>",
+                          finish_reason=gen.FINISH_REASON_LENGTH if last else 0)
+
+
+@dataclass
+class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
+                 wk_grpc.WorkerServiceServicer):
+    role: str
+    engine_id: str
+    address: str = ""
+    draining: bool = False
+    fail_with: grpc.StatusCode | None = None  # refuse Prefill / Decode with this code
+    retry_after_ms: int | None = None  # with RESOURCE_EXHAUSTED
+    die_after: int | None = None  # decode: fail (UNAVAILABLE) after this many messages
+    token_delay_s: float = 0.0
+    connect_error: str | None = None  # decode: every handshake fails with this
+    frozen: bool = False  # answers nothing (stats, decode) until thawed
+    leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
+    released: list[tuple[str, int, bool]] = field(default_factory=list)
+    prefills: list[str] = field(default_factory=list)
+    decodes: list[wk.DecodeRequest] = field(default_factory=list)
+    active: int = 0
+    _thaw: asyncio.Event | None = None
+
+    def freeze(self) -> None:
+        self.frozen = True
+        self._thaw = asyncio.Event()
+
+    def thaw(self) -> None:
+        self.frozen = False
+        if self._thaw is not None:
+            self._thaw.set()
+
+    async def _stall_if_frozen(self) -> None:
+        if self.frozen and self._thaw is not None:
+            await self._thaw.wait()
+
+    async def _refuse(self, context) -> None:
+        if self.fail_with is not None:
+            if self.retry_after_ms is not None:
+                context.set_trailing_metadata(retry_metadata(self.retry_after_ms / 1000))
+            await context.abort(self.fail_with, f"{self.engine_id} refused")
+
+    # ---- prefill ---------------------------------------------------------------------
+
+    async def Prefill(self, request, context):
+        await self._refuse(context)
+        await self._stall_if_frozen()
+        prompt = list(request.prompt_token_ids)
+        self.prefills.append(request.request_id)
+        max_tokens = request.sampling.max_tokens or 16
+        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1))
+        if max_tokens > 1:
+            lease = next(_lease_ids)
+            self.leases[request.request_id] = lease
+            reply.handle.CopyFrom(wk.KvHandle(
+                engine_id=self.engine_id, request_id=request.request_id, lease_id=lease,
+                block_ids=list(range(1, 1 + -(-len(prompt) // 16))), num_tokens=len(prompt),
+                lease_s=30))
+        return reply
+
+    def release(self, rid: str, lease_id: int) -> bool:
+        held = rid in self.leases and lease_id in (0, self.leases[rid])
+        if held:
+            del self.leases[rid]
+        self.released.append((rid, lease_id, held))
+        return held
+
+    async def ReleaseKv(self, request, context):
+        return wk.ReleaseKvResponse(released=self.release(request.request_id,
+                                                          request.lease_id))
+
+    # ---- decode ----------------------------------------------------------------------
+
+    async def Connect(self, request, context):
+        if self.connect_error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.connect_error)
+        source = next(f for f in FAKES.values() if f.address == request.prefill_address)
+        return wk.ConnectResponse(prefill_engine_id=source.engine_id, transport="fake")
+
+    async def Decode(self, request, context):
+        await self._refuse(context)
+        self.decodes.append(request)
+        prompt = list(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens or 16
+        if request.HasField("handle"):  # pull, then confirm (and release) at the source
+            FAKES[request.handle.engine_id].release(request.handle.request_id,
+                                                    request.handle.lease_id)
+            start = 1
+        else:
+            start = len(request.output_token_ids)
+        self.active += 1
+        try:
+            for n, k in enumerate(range(start, max_tokens)):
+                if self.die_after is not None and n >= self.die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
+                await self._stall_if_frozen()
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                yield wk.DecodeResponse(delta=_delta(prompt, k, k == max_tokens - 1))
+        finally:
+            self.active -= 1
+
+    # ---- every worker ----------------------------------------------------------------
+
+    async def GetStats(self, request, context):
+        await self._stall_if_frozen()
+        return wk.GetStatsResponse(
+            engine_id=self.engine_id, role=self.role, draining=self.draining,
+            num_running=self.active, num_leases=len(self.leases),
+            model_info=gen.ModelInfo(model="fake", max_model_len=MAX_LEN, vocab_size=VOCAB,
+                                     block_size=16, dtype="float32"))
+
+
+async def _serve(worker: FakeWorker) -> grpc.aio.Server:
+    def register(server):
+        wk_grpc.add_PrefillServiceServicer_to_server(worker, server)
+        wk_grpc.add_DecodeServiceServicer_to_server(worker, server)
+        wk_grpc.add_WorkerServiceServicer_to_server(worker, server)
+        return [service_name(wk, "WorkerService")]
+
+    server = make_server(register, Lifecycle())
+    port = server.add_insecure_port("127.0.0.1:0")
+    worker.address = f"127.0.0.1:{port}"
+    await server.start()
+    return server
+
+
+@dataclass
+class Cluster:
+    stub: gen_grpc.GenerationStub
+    prefill: list[FakeWorker]
+    decode: list[FakeWorker]
+    registry: object
+    lifecycle: Lifecycle
+    address: str
+
+    async def generate(self, prompt: list[int], max_tokens: int = 8, timeout: float = 10,
+                       **kw) -> list[gen.GenerateResponse]:
+        return [m async for m in self.stub.Generate(request(prompt, max_tokens, **kw),
+                                                    timeout=timeout)]
+
+    def leases_held(self) -> int:
+        return sum(len(p.leases) for p in self.prefill)
+
+    async def settle(self) -> None:
+        """Let fire-and-forget releases land."""
+        for _ in range(50):
+            if not self.leases_held():
+                return
+            await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router_kw):
+    """Fakes, and the real router (registry, clients, intake, servicer, interceptor)."""
+    workers = ([FakeWorker("prefill", f"p{i}") for i in range(prefills)]
+               + [FakeWorker("decode", f"d{i}") for i in range(decodes)])
+    servers = [await _serve(w) for w in workers]
+    FAKES.clear()
+    FAKES.update({w.engine_id: w for w in workers})
+    router_kw.setdefault("poll_interval", 0.05)
+    router_kw.setdefault("worker_timeout", 0.5)
+    config = RouterConfig(prefill=tuple(w.address for w in workers[:prefills]),
+                          decode=tuple(w.address for w in workers[prefills:]),
+                          model=str(tokenizer_model), **router_kw)
+    lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
+    servicer, registry = build(config, lifecycle,
+                               [GrpcWorkerClient(a) for a in config.prefill],
+                               [GrpcWorkerClient(a) for a in config.decode])
+
+    def register(server):
+        gen_grpc.add_GenerationServicer_to_server(servicer, server)
+        return [service_name(gen, "Generation")]
+
+    server = make_server(register, lifecycle)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await lifecycle.set_serving(False)
+    await registry.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
+                      workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}")
+    finally:
+        for w in workers:
+            w.thaw()
+        await channel.close()
+        await registry.close()
+        servicer.intake.close()
+        await server.stop(0)
+        for s in servers:
+            await s.stop(0)
