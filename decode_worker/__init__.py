@@ -1,1 +1,1 @@
-"""gRPC servicer around an engine in the decode role. Filled by the gRPC services issue."""
+"""The decode worker: a decode-role engine behind DecodeService, and its KV import."""

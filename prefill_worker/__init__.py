@@ -1,1 +1,1 @@
-"""gRPC servicer around an engine in the prefill role. Filled by the gRPC services issue."""
+"""The prefill worker: a prefill-role engine behind PrefillService, and its KV export."""

@@ -66,12 +66,11 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                 block_ids=out.kv_block_ids, num_tokens=len(out.prompt_token_ids),
                 fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
             if context.cancelled():  # nobody will come for these blocks
-                await self.aengine.call(lambda e: e.release_lease(rid, out.kv_lease_id))
+                self.aengine.release_lease(rid, out.kv_lease_id)
         return reply
 
     async def ReleaseKv(self, request, context):
-        rid, lease_id = request.request_id, request.lease_id or None
-        released = await self.aengine.call(lambda e: e.release_lease(rid, lease_id))
+        released = self.aengine.release_lease(request.request_id, request.lease_id or None)
         return wk.ReleaseKvResponse(released=released)
 
     async def Handshake(self, request, context):

@@ -1,1 +1,2 @@
-"""Public front door: Generate API, routing, P/D orchestration (the gRPC services issue)."""
+"""The public front door: the Generation API, admission, routing and P/D orchestration.
+Torch-free."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 
 import grpc
 
@@ -73,10 +73,12 @@ class GrpcWorkerClient:
                                f"worker {self.address} stopped answering")
         return None
 
-    async def _unary(self, call):
+    @contextmanager
+    def _tracked(self, call):
+        """A call in flight: fail_inflight() may end it; its failures become WorkerError."""
         self._inflight[call] = False
         try:
-            return await call
+            yield
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             err = self._error(call, e)
             if err is None:
@@ -84,6 +86,10 @@ class GrpcWorkerClient:
             raise err from None
         finally:
             self._inflight.pop(call, None)
+
+    async def _unary(self, call):
+        with self._tracked(call):
+            return await call
 
     async def prefill(self, req: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse:
         return await self._unary(wk_grpc.PrefillServiceStub(self.channel).Prefill(
@@ -92,17 +98,11 @@ class GrpcWorkerClient:
     async def decode(self, req: wk.DecodeRequest, timeout: float
                      ) -> AsyncIterator[wk.DecodeResponse]:
         call = wk_grpc.DecodeServiceStub(self.channel).Decode(req, timeout=timeout)
-        self._inflight[call] = False
         try:
-            async for msg in call:
-                yield msg
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-            err = self._error(call, e)
-            if err is None:
-                raise
-            raise err from None
+            with self._tracked(call):
+                async for msg in call:
+                    yield msg
         finally:
-            self._inflight.pop(call, None)
             call.cancel()  # a no-op when done; else the caller left: end it on the worker
 
     async def release(self, request_id: str, lease_id: int = 0) -> bool:

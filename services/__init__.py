@@ -1,1 +1,2 @@
-"""What every service is built from: the engine and the serving bootstrap."""
+"""What every service is built from: the serving pieces, the engine, the workers' shared
+parts, and the benchmarks."""

@@ -1,5 +1,5 @@
-"""`make serve` until the gRPC services land: one chat prompt through the engine, with the
-text streamed to the terminal as it is sampled.
+"""One chat prompt through the offline engine, with the text streamed to the terminal as it
+is sampled: the engine alone, without any service.
 
     python -m services.engine.demo [--prompt "..."] [--max-tokens N] [--dtype float32]
 """

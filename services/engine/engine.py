@@ -223,8 +223,13 @@ class LLMEngine:
         of the request, when `lease_id` is None) was still held."""
         return self.scheduler.release_lease(request_id, lease_id)
 
+    def revoke_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        """release_lease for any thread (the only engine call that is): the lease ends
+        now, its blocks are freed at the engine thread's next step (leases.py)."""
+        return self.scheduler.leases.revoke(request_id, lease_id)
+
     def lease_blocks(self, request_id: str, lease_id: int) -> list[int] | None:
-        """The blocks held under that exact lease, or None if it is not held."""
+        """The blocks held under that exact lease, or None if it is not held (any thread)."""
         return self.scheduler.leases.blocks(request_id, lease_id)
 
     def expire_leases(self) -> list[str]:

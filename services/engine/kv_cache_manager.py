@@ -101,7 +101,3 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / max(1, self.pool.num_blocks - 1)

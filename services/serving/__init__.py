@@ -1,1 +1,2 @@
-"""aio gRPC server bootstrap and config. Filled by the gRPC services issue."""
+"""The torch-free pieces every service uses: the gRPC server (interceptor, drain), errors,
+sampling params, wire conversions, the tokenizer, child processes, the default model."""

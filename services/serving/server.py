@@ -20,7 +20,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,25 +90,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method, state = details.method, self.lifecycle
         work = method in state.work_methods
 
-        async def refuse_if_draining(context) -> None:
+        @asynccontextmanager
+        async def guarded(context):
             if work and state.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"draining: this service takes no new {method} calls")
+            state.inflight += work
+            try:
+                yield
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every error gets its status
+                await _abort(context, e, method)  # raises
+            finally:
+                state.inflight -= work
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request, context):
-                await refuse_if_draining(context)
-                state.inflight += work
-                try:
+                async with guarded(context):
                     return await inner(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - every error gets its status
-                    await _abort(context, e, method)
-                finally:
-                    state.inflight -= work
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=handler.request_deserializer,
@@ -117,19 +119,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                await refuse_if_draining(context)
-                state.inflight += work
-                try:
-                    # aclosing: a cancelled call closes the handler's generator now.
-                    async with aclosing(inner_stream(request, context)) as replies:
-                        async for reply in replies:
-                            yield reply
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    await _abort(context, e, method)
-                finally:
-                    state.inflight -= work
+                # aclosing: a cancelled call closes the handler's generator now.
+                async with guarded(context), aclosing(inner_stream(request, context)) as replies:
+                    async for reply in replies:
+                        yield reply
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=handler.request_deserializer,

@@ -1,2 +1,2 @@
-"""What the engine-side services share: the engine loop thread behind asyncio, the stats
-and KV-bytes servicer, and the colocated Generation servicer."""
+"""What every worker shares: the engine on its own thread behind asyncio, the worker
+config, the WorkerService, and proto messages from engine types."""

@@ -103,6 +103,16 @@ class AsyncEngine:
                 except RuntimeError:  # the engine stopped: nothing left to abort
                     pass
 
+    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        """End a lease at once, without waiting for the step in progress (the decode
+        worker's lease check waits on it); the engine thread frees the blocks."""
+        released = self.engine.revoke_lease(request_id, lease_id)
+        self._wake.set()
+        return released
+
+    def lease_blocks(self, request_id: str, lease_id: int) -> list[int] | None:
+        return self.engine.lease_blocks(request_id, lease_id)
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True

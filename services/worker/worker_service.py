@@ -43,24 +43,24 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             prefix_cache_hits=s.prefix_cache_hits)
 
     async def ReadKvBlocks(self, request, context):
-        """The blocks held under lease `lease_id` of `request_id`, checked on the engine
-        thread before the read and again after it (a lease that ended meanwhile fails the
-        read: its bytes may be another request's)."""
+        """The blocks held under lease `lease_id` of `request_id`, checked before the
+        read and again after it (a lease that ended meanwhile fails the read: its bytes
+        may be another request's)."""
         ids = list(request.block_ids)
         if any(not 0 < b < self.num_blocks for b in ids):
             raise InvalidArgument(f"block_ids: must be in 1..{self.num_blocks - 1}")
         if not request.request_id or not request.lease_id:
             raise InvalidArgument("request_id and lease_id: both are required")
-        await self._check_leased(request.request_id, request.lease_id, ids, "before")
+        self._check_leased(request.request_id, request.lease_id, ids, "before")
         for i in range(0, len(ids), READ_CHUNK_BLOCKS):
             chunk = ids[i:i + READ_CHUNK_BLOCKS]
             # Off the event loop: a long prompt is tens of MB to gather.
             data = await asyncio.to_thread(read_blocks, self.kv_caches, chunk)
             yield wk.ReadKvBlocksResponse(data=data)
-        await self._check_leased(request.request_id, request.lease_id, ids, "after")
+        self._check_leased(request.request_id, request.lease_id, ids, "after")
 
-    async def _check_leased(self, rid: str, lease_id: int, ids: list[int], when: str) -> None:
-        held = await self.aengine.call(lambda e: e.lease_blocks(rid, lease_id))
+    def _check_leased(self, rid: str, lease_id: int, ids: list[int], when: str) -> None:
+        held = self.aengine.lease_blocks(rid, lease_id)
         if held is None or not set(ids) <= set(held):
             raise FailedPrecondition(f"blocks are not held under lease {lease_id} of "
                                      f"request {rid!r} ({when} the read)")

@@ -17,13 +17,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.engine import SamplingParams
-from tests.e2e.helpers import greedy, joined, run, stats, until_served
+from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
 LEASE_S = 4.0
+STOPPED: set[str] = set()  # workers a test stopped for good
 VICTIM = "A lighthouse keeper writes in her log every night about the sea. " * 5
 
 
@@ -42,6 +44,16 @@ def faults(tmp_path_factory, model_path):
         yield {"topology": topo, "p": p, "d1": d1, "d2": d2, "router": router}
     finally:
         topo.stop()
+
+
+@pytest.fixture(autouse=True)
+def faults_leave_nothing_behind(request):
+    """After each test every worker of the module's topology holds nothing (a lease the
+    test stranded expires within LEASE_S)."""
+    yield
+    topo = request.getfixturevalue("faults")
+    workers = [topo[w] for w in ("p", "d1", "d2") if topo[w] not in STOPPED]
+    assert all_free_within(workers, LEASE_S + 5), [stats(w) for w in workers]
 
 
 def _prefill(address: str, rid: str, ids: list[int], max_tokens: int) -> wk.PrefillResponse:
@@ -112,6 +124,82 @@ def test_a_pull_after_the_lease_ended_never_serves_another_requests_kv(faults, o
     assert stats(d1).num_load_failures == failures + 1  # noticed, then recomputed
 
 
+def test_a_pull_that_starts_after_its_lease_expired_recomputes(faults, offline):
+    """The handle reaches the decode worker after the lease has expired (a slow queue, a
+    pause, clock skew): the pull is caught, the prompt recomputed, nothing hangs."""
+    p, d1 = faults["p"], faults["d1"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompt = "Clock skew between two workers is a fact of life. " * 4
+    ref = offline.generate([prompt], params)[0]
+    expired = stats(p).num_leases_expired
+    first = _prefill(p, "stale", ref.prompt_token_ids, 12)
+    _wait_for(lambda: stats(p).num_leases_expired > expired, LEASE_S + 5, "no expiry")
+    failures = stats(d1).num_load_failures
+    t0 = time.monotonic()
+    msgs = _decode(d1, p, "stale", ref.prompt_token_ids, first, greedy(12))
+    assert time.monotonic() - t0 < 5
+    assert joined([first, *msgs]) == (ref.token_ids, ref.text)
+    assert stats(d1).num_load_failures == failures + 1
+
+
+def _decode(decode: str, prefill: str, rid: str, ids: list[int], first, sampling):
+    req = wk.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                           first_token_id=first.delta.token_ids[0], sampling=sampling,
+                           handle=first.handle, prefill_address=prefill)
+    with channel(decode) as ch:
+        return list(wk_grpc.DecodeServiceStub(ch).Decode(req, timeout=60))
+
+
+def test_a_frozen_prefill_worker_is_treated_as_dead(faults, offline):
+    """SIGSTOP: alive, silent. A pull from it cannot be confirmed, so the decode worker
+    recomputes; the router stops sending it prompts, and a prompt stuck on it moves on."""
+    p, d1, router, topo = faults["p"], faults["d1"], faults["router"], faults["topology"]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    prompt = "A worker that stops answering is as good as gone. " * 3
+    ref = offline.generate([prompt], params)[0]
+    first = _prefill(p, "frozen-source", ref.prompt_token_ids, 10)
+    failures = stats(d1).num_load_failures
+    topo.kill(p, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()  # the pull lands, the lease check gets no answer
+        msgs = _decode(d1, p, "frozen-source", ref.prompt_token_ids, first, greedy(10))
+        assert joined([first, *msgs]) == (ref.token_ids, ref.text)
+        assert stats(d1).num_load_failures == failures + 1
+        assert time.monotonic() - t0 < 10
+        t0 = time.monotonic()  # through the router: the prompt goes to a decode worker
+        msgs = run(router, gen.GenerateRequest(text=prompt, sampling=greedy(10)))
+        assert joined(msgs) == (ref.token_ids, ref.text)
+        assert time.monotonic() - t0 < 10
+    finally:
+        topo.kill(p, signal.SIGCONT)
+    _wait_for(lambda: stats(p).num_leases == 0, LEASE_S + 5, "the lease was never freed")
+
+
+def test_a_frozen_decode_worker_mid_stream_hands_over(faults, offline):
+    router, topo = faults["router"], faults["topology"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = "Count the waves as they come in, one by one. "
+    ref = offline.generate([prompt], params)[0]
+    until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    msgs, frozen = [], []
+    try:
+        with channel(router) as ch:
+            req = gen.GenerateRequest(text=prompt, sampling=greedy(40, ignore_eos=True))
+            for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=60):
+                msgs.append(msg)
+                if len(msgs) == 4:
+                    victim = next(d for d in ("d1", "d2") if stats(faults[d]).num_running)
+                    topo.kill(faults[victim], signal.SIGSTOP)
+                    frozen.append((victim, time.monotonic()))
+                elif len(msgs) == 5:
+                    frozen.append(time.monotonic() - frozen[0][1])
+    finally:
+        for victim, _ in frozen[:1]:
+            topo.kill(faults[victim], signal.SIGCONT)
+    assert joined(msgs) == (ref.token_ids, ref.text)
+    assert frozen[1] < 3.0 + 0.5 + 2.0  # worker timeout + poll interval + slack
+
+
 def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline):
     """A prefill worker told to stop finishes the prompts it holds and hands their KV to
     the decode workers (no recompute); health reads NOT_SERVING meanwhile; every request
@@ -137,6 +225,7 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
         t.start()
     _wait_for(lambda: _holds(stats(p)), 30, "the prefill worker got no prompt")
     proc = faults["topology"].kill(p, signal.SIGTERM)
+    STOPPED.add(p)
     time.sleep(0.5)  # well into the drain: health must still answer, NOT_SERVING
     with channel(p) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),

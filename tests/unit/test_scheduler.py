@@ -243,3 +243,17 @@ def test_a_remote_request_without_a_receiver_is_refused():
     s, _ = make()
     with pytest.raises(ValueError, match="receiver"):
         s.add_request(_remote("r", 10))
+
+
+def test_a_lease_revoked_from_another_thread_keeps_its_blocks_until_the_engine_collects():
+    s, pool = make()
+    a = req("a", 9, max_tokens=10)
+    a.kv_hold = True
+    s.add_request(a)
+    step(s)
+    free = pool.num_free_blocks
+    assert s.leases.revoke("a", a.lease_id)  # a worker's event loop answering a check
+    assert s.leases.blocks("a", a.lease_id) is None and not s.leases.revoke("a")
+    assert pool.num_free_blocks == free  # nothing can reuse them yet
+    s.expire_leases(0.0)  # the engine thread's next step collects
+    pool.check_all_free()

@@ -1,0 +1,107 @@
+"""The one flag table (cli/flags.py): every flag reaches its role's config, its variable
+is derived from its name and read with the flag's own type, `--help` shows both the
+variable and the default, bad values get one line naming them, and `baton up` hands the
+workers every engine flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from cli.flags import FLAGS, argv_for, values
+from cli.main import parse
+from router.config import RouterConfig
+from services.engine.config import EngineConfig
+from services.worker.config import WorkerConfig
+from tests.e2e.topology import ROOT
+
+
+def _configs(role: str, *argv: str, env: dict | None = None, monkeypatch=None):
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    args, flags = parse(["serve", "--role", role, *argv])
+    return values(args, flags, role)
+
+
+def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
+    configs = {"engine": EngineConfig(), "worker": WorkerConfig(), "router": RouterConfig()}
+    for flag in FLAGS:
+        assert flag.env == "BATON_" + flag.name.upper().replace("-", "_")
+        for config, field in flag.fills:  # one default, wherever the flag lands
+            default = getattr(configs[config], field)
+            assert flag.default == (list(default) if isinstance(default, tuple) else default)
+
+
+def test_help_shows_every_flags_variable_and_default():
+    for role in ("router", "prefill", "decode", "colocated"):
+        out = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", role, "--help"],
+                             capture_output=True, text=True, cwd=ROOT, check=True,
+                             env={"COLUMNS": "300", "PATH": ""}).stdout
+        for flag in FLAGS:
+            if role in flag.roles and not flag.hidden:
+                assert f"--{flag.name}" in out and flag.env in out, (role, flag.name)
+
+
+def test_the_engine_flags_vllm_users_expect_reach_the_engine(monkeypatch):
+    got = _configs("decode", "--scheduling-policy", "priority", "--no-enable-prefix-caching",
+                   "--max-num-seqs", "7", "--kv-load-failure-policy", "fail")
+    engine = EngineConfig(**got["engine"])
+    assert engine.scheduling_policy == "priority" and not engine.enable_prefix_caching
+    assert engine.max_num_seqs == 7 and engine.kv_load_failure_policy == "fail"
+
+
+@pytest.mark.parametrize("raw, want", [("False", False), ("0", False), ("", False),
+                                        ("true", True), ("1", True), ("yes", True)])
+def test_boolean_variables_mean_what_they_say(monkeypatch, raw, want):
+    got = _configs("prefill", env={"BATON_ENFORCE_EAGER": raw}, monkeypatch=monkeypatch)
+    assert got["engine"]["enforce_eager"] is want
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"BATON_MAX_NUM_SEQS": "x"}, "BATON_MAX_NUM_SEQS='x': not an integer"),
+    ({"BATON_ENFORCE_EAGER": "maybe"}, "BATON_ENFORCE_EAGER='maybe': not a boolean"),
+    ({"BATON_DTYPE": "int4"}, "BATON_DTYPE='int4': not one of"),
+    ({"BATON_KV_CACHE_GIB": "-1"}, "kv_cache_gib must be > 0"),
+])
+def test_a_bad_value_gets_one_line_naming_it(env, says):
+    proc = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", "decode"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**env, "PATH": ""})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_a_flag_of_another_role_is_refused():
+    with pytest.raises(SystemExit):
+        parse(["serve", "--role", "router", "--kv-cache-gib", "2"])
+
+
+def test_addresses_come_from_flags_or_comma_separated_variables(monkeypatch):
+    monkeypatch.setenv("BATON_DECODE", "a:1, b:2")
+    assert _configs("router")["router"]["decode"] == ("a:1", "b:2")
+    got = _configs("router", "--decode", "c:3", "--decode", "d:4,e:5")
+    assert got["router"]["decode"] == ("c:3", "d:4", "e:5")
+
+
+def test_up_hands_the_workers_every_engine_flag():
+    args, flags = parse(["up", "--kv-cache-gib", "0.5", "--no-enable-prefix-caching",
+                         "--scheduling-policy", "priority", "--kv-lease-timeout", "9",
+                         "--kv-load-failure-policy", "fail", "--max-num-seqs", "3"])
+    for role in ("prefill", "decode"):
+        sent = argv_for(args, flags, role)
+        worker_args, worker_flags = parse(["serve", "--role", role, *sent])
+        got = values(worker_args, worker_flags, role)
+        want = values(args, flags, role)
+        assert got == want
+        engine = EngineConfig(**got["engine"])
+        assert (engine.kv_cache_gib, engine.enable_prefix_caching, engine.max_num_seqs,
+                engine.scheduling_policy) == (0.5, False, 3, "priority")
+    assert "--kv-lease-timeout" in argv_for(args, flags, "prefill")
+    assert "--kv-lease-timeout" not in argv_for(args, flags, "decode")
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    covered = {field for f in FLAGS for c, field in f.fills if c == "engine"}
+    assert engine_fields == covered, engine_fields - covered
