@@ -29,11 +29,11 @@ def serve(worker: WorkerConfig, router: RouterConfig) -> None:
     engine = make_engine(worker.engine, worker.threads)
     aengine = AsyncEngine(engine, worker.max_waiting)
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
-    # Never given a KV handle (no prefill workers here): it computes every prompt itself.
-    decode = DecodeServicer(aengine, worker.engine_id, "", Peers(), receiver=None)
-    stats = WorkerServicer(aengine, worker.engine_id, "colocated", lifecycle)
 
     async def main():
+        # Never given a KV handle (no prefill workers here): it computes every prompt.
+        decode = DecodeServicer(aengine, worker.engine_id, "", Peers(), receiver=None)
+        stats = WorkerServicer(aengine, worker.engine_id, "colocated", lifecycle)
         servicer, registry = build(router, lifecycle, [],
                                    [LocalWorkerClient(worker.address, decode, stats)])
 

@@ -1,11 +1,12 @@
 """The prefill engines a decode worker has shaken hands with, and the calls it makes to
-them: the handshake and lease releases (event loop), block reads for the gRPC transport
-and lease confirmations (the receiver's threads)."""
+them: the handshake, lease confirmations and releases (on the event loop), and block
+reads for the gRPC transport (on the receiver's threads)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 
 import grpc
 
@@ -31,6 +32,11 @@ class Peers:
         self._sync: dict[str, grpc.Channel] = {}  # engine id -> channel (receiver threads)
         self._confirmed: set[tuple[str, str, int]] = set()  # leases released by confirm
         self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the worker's event loop
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Lease confirmations run as RPCs on the worker's event loop, side by side."""
+        self._loop = loop
 
     def stub(self, address: str) -> wk_grpc.PrefillServiceStub:
         if address not in self._aio:
@@ -62,12 +68,18 @@ class Peers:
         for msg in stub.ReadKvBlocks(req, timeout=timeout):
             yield msg.data
 
-    def confirm(self, handle: KVHandle) -> bool:
-        """After a pull: release the lease at the source; True iff it was still held."""
-        stub = wk_grpc.PrefillServiceStub(self._channel(handle.engine_id))
-        reply = stub.ReleaseKv(wk.ReleaseKvRequest(request_id=handle.request_id,
-                                                   lease_id=handle.lease_id),
-                               timeout=CONFIRM_TIMEOUT_S)
+    def confirm(self, handle: KVHandle) -> Future:
+        """After a pull: release the lease at the source; the future says whether it was
+        still held. Called from the engine thread; the RPC runs on the event loop."""
+        return asyncio.run_coroutine_threadsafe(self._confirm(handle), self._loop)
+
+    async def _confirm(self, handle: KVHandle) -> bool:
+        address = self.address.get(handle.engine_id)
+        if address is None:
+            raise ConnectionError(f"unknown peer {handle.engine_id!r}")
+        reply = await self.stub(address).ReleaseKv(
+            wk.ReleaseKvRequest(request_id=handle.request_id, lease_id=handle.lease_id),
+            timeout=CONFIRM_TIMEOUT_S)
         self._confirmed.add((handle.engine_id, handle.request_id, handle.lease_id))
         return reply.released
 

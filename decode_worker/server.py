@@ -63,6 +63,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         self.receiver = receiver  # the transport itself (handshakes, warm-up)
         self.layout: KVLayout = aengine.engine.kv_layout
         self._connecting: dict[str, asyncio.Lock] = {}
+        peers.bind(asyncio.get_running_loop())  # built inside the server's loop
 
     async def _connect(self, address: str) -> str:
         """Handshake with the prefill worker at `address` (once); its engine id."""

@@ -18,20 +18,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
 
-# confirm(handle): True iff the source held the handle's lease until this call, and then
-# released it. May raise (the source is unreachable): that counts as not confirmed.
-Confirm = Callable[[KVHandle], bool]
+# confirm(handle) starts asking the source whether it still held the handle's lease (and
+# then released it), and returns a future of the answer: True if held. It should not
+# block (many pulls land at once: their checks run side by side); a plain bool is taken
+# too. A future that fails (the source is unreachable or silent) counts as not confirmed.
+Confirm = Callable[[KVHandle], "Future[bool] | bool"]
+
+
+def _future(confirm: Confirm, handle: KVHandle) -> Future:
+    try:
+        answer = confirm(handle)
+    except Exception as e:  # noqa: BLE001 - could not even ask
+        answer = Future()
+        answer.set_exception(e)
+    if not isinstance(answer, Future):
+        done: Future = Future()
+        done.set_result(bool(answer))
+        return done
+    return answer
 
 
 class LeaseCheckedReceiver(KVReceiver):
-    def __init__(self, inner: KVReceiver, confirm: Confirm, num_threads: int = 2):
+    def __init__(self, inner: KVReceiver, confirm: Confirm):
         self.inner = inner
         self._confirm = confirm
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-lease")
         self._lock = threading.Lock()
         self._handles: dict[str, KVHandle] = {}  # transfer id -> handle, until polled done
         self._checks: dict[str, Future] = {}  # transfer id -> confirmation in flight
@@ -57,7 +71,7 @@ class LeaseCheckedReceiver(KVReceiver):
                 if state.done:
                     self._forget(transfer_id)
                 return state, error
-            check = self._pool.submit(self._confirm, handle)
+            check = _future(self._confirm, handle)
             with self._lock:
                 self._checks[transfer_id] = check
         if not check.done():
@@ -80,5 +94,4 @@ class LeaseCheckedReceiver(KVReceiver):
             self._checks.pop(transfer_id, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self.inner.close()

@@ -16,9 +16,9 @@ while its KV is in flight. Its contract:
 - `abandon(request)`: the request ended while its pull is in flight. Its blocks stay
   allocated until the receiver lets go of them (it may still write), then `land` frees
   them. `busy` stays True until then.
-- `wait(budget_s)`: poll until a pull lands or the budget is spent: a prompt's blocks are
-  a few MB and usually land within a millisecond or two, so the request can decode in
-  this step instead of the next.
+- `wait(budget_s)`: poll until the pulls in flight land or the budget is spent: a prompt's
+  blocks are a few MB and usually land (and their lease is confirmed) within a few
+  milliseconds, so the request can decode in this step instead of the next.
 
 Request status is the scheduler's to set; this component never touches it.
 """
@@ -110,17 +110,15 @@ class RemoteKVLoader:
         return landed
 
     def wait(self, budget_s: float) -> None:
-        """Sleep-poll until some pull is done or `budget_s` has passed."""
+        """Sleep-poll until every pull in flight is done or `budget_s` has passed."""
         deadline = time.monotonic() + budget_s
-        while self.loading and not self._settled and time.monotonic() < deadline:
-            if any(self._peek_done(rid) for rid in self.loading):
-                return
+        pending = [rid for rid in self.loading if rid not in self._settled]
+        while pending and time.monotonic() < deadline:
             time.sleep(0.0002)
+            pending = [rid for rid in pending if not self._peek_done(rid)]
 
     def _peek_done(self, rid: str) -> bool:
         # poll() forgets a finished transfer, so remember its answer for land().
-        if rid in self._settled:
-            return True
         state, error = self.receiver.poll(rid)
         if not state.done:
             return False
