@@ -33,7 +33,9 @@ def serve(worker: WorkerConfig, router: RouterConfig) -> None:
     async def main():
         # Never given a KV handle (no prefill workers here): it computes every prompt.
         decode = DecodeServicer(aengine, worker.engine_id, "", Peers(), receiver=None)
-        stats = WorkerServicer(aengine, worker.engine_id, "colocated", lifecycle)
+        # Its own lifecycle: a drain of this service must not make its router think the
+        # engine drains (the router would then refuse what it accepted before SIGTERM).
+        stats = WorkerServicer(aengine, worker.engine_id, "colocated", Lifecycle())
         servicer, registry = build(router, lifecycle, [],
                                    [LocalWorkerClient(worker.address, decode, stats)])
 

@@ -127,7 +127,7 @@ FLAGS: list[Flag] = [
        choices=("recompute", "fail")),
     # -- workers
     _f("engine-id", WORKERS, "worker.engine_id",
-       "this engine's id (default: the role and a random suffix)"),
+       "a name for this engine (default: its role); each start adds a random suffix"),
     _f("kv-transport", ("prefill", "decode"), "worker.kv_transport",
        "how KV blocks move: nixl, or grpc (default: nixl when it loads)",
        choices=("nixl", "grpc"), optional=True),

@@ -65,7 +65,9 @@ def _serve(args, flags: list[Flag]) -> None:
 
             engine = EngineConfig(**given["engine"])
             worker = dict(given["worker"])
-            worker["engine_id"] = worker.get("engine_id") or f"{role}-{uuid.uuid4().hex[:8]}"
+            # Unique per start, so a restarted worker is never taken for its old self
+            # (its pairs, its peers' NIXL metadata and its lease ids start anew).
+            worker["engine_id"] = f"{worker.get('engine_id') or role}-{uuid.uuid4().hex[:8]}"
             if role != "colocated" and not worker.get("kv_transport"):
                 from kv_transfer import default_transport
 

@@ -65,7 +65,8 @@ def up(args, flags: list[Flag]) -> None:
             time.sleep(0.5)
     except (RuntimeError, TimeoutError) as e:
         print(f"baton up: {e}", file=sys.stderr)
-    finally:
-        stop_all(procs)
+    finally:  # the router first: the workers finish what it sends them meanwhile
+        stop_all([p for p in procs if names.get(p.pid) == "router"])
+        stop_all([p for p in procs if names.get(p.pid) != "router"])
     if not stopping:
         sys.exit(1)

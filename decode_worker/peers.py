@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from concurrent.futures import Future
 
 import grpc
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 CONFIRM_TIMEOUT_S = 3.0
 # Block reads over gRPC: a floor, plus time per block (a frozen source fails them too).
 FETCH_BASE_S, FETCH_PER_BLOCK_S = 5.0, 0.05
+MAX_CONFIRMED = 4096
 
 
 class Peers:
@@ -30,7 +32,9 @@ class Peers:
         self.by_address: dict[str, str] = {}  # address -> engine id
         self._aio: dict[str, tuple[grpc.aio.Channel, wk_grpc.PrefillServiceStub]] = {}
         self._sync: dict[str, grpc.Channel] = {}  # engine id -> channel (receiver threads)
-        self._confirmed: set[tuple[str, str, int]] = set()  # leases released by confirm
+        # Leases a confirmation released, so the stream's own release is skipped. Bounded:
+        # a stream that ended before its confirmation came back never takes its key out.
+        self._confirmed: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the worker's event loop
 
@@ -80,7 +84,9 @@ class Peers:
         reply = await self.stub(address).ReleaseKv(
             wk.ReleaseKvRequest(request_id=handle.request_id, lease_id=handle.lease_id),
             timeout=CONFIRM_TIMEOUT_S)
-        self._confirmed.add((handle.engine_id, handle.request_id, handle.lease_id))
+        self._confirmed[(handle.engine_id, handle.request_id, handle.lease_id)] = None
+        while len(self._confirmed) > MAX_CONFIRMED:
+            self._confirmed.popitem(last=False)
         return reply.released
 
     def _channel(self, engine_id: str) -> grpc.Channel:
@@ -95,7 +101,7 @@ class Peers:
         """Release the lease (in the background) unless a confirmation already did."""
         key = (handle.engine_id, handle.request_id, handle.lease_id)
         if key in self._confirmed:
-            self._confirmed.discard(key)
+            del self._confirmed[key]
             return
         address = self.address.get(handle.engine_id)
         if address is None:

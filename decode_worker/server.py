@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from contextlib import aclosing
 
 import grpc
@@ -23,7 +24,13 @@ from kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
 from kv_transfer.faults import FailingReceiver
 from kv_transfer.lease_check import LeaseCheckedReceiver
 from services.engine.engine import LLMEngine
-from services.serving.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from services.serving.errors import (
+    Aborted,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+)
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
 from services.worker.messages import (
@@ -46,7 +53,7 @@ def _warm_up(receiver: KVReceiver, engine_id: str, timeout_s: float = 10.0) -> N
     """Copy the peer's null block into ours once: the transport's first transfer sets up
     its connection (about half a second over UCX), so no request pays for that. The null
     block only pads tables; nothing reads what it holds."""
-    tid = f"warm-up-{engine_id}"
+    tid = f"warm-up-{engine_id}-{uuid.uuid4().hex[:8]}"
     receiver.start_load(tid, KVHandle(engine_id, tid, 0, (0,), 0), [0], [0])
     deadline = time.monotonic() + timeout_s
     while not receiver.poll(tid)[0].done and time.monotonic() < deadline:
@@ -65,16 +72,21 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         self._connecting: dict[str, asyncio.Lock] = {}
         peers.bind(asyncio.get_running_loop())  # built inside the server's loop
 
-    async def _connect(self, address: str) -> str:
-        """Handshake with the prefill worker at `address` (once); its engine id."""
+    async def _connect(self, address: str, again: bool = False) -> str:
+        """Shake hands with the prefill worker at `address`; its engine id. Known
+        already: nothing to do, unless `again` (it may have restarted). A peer whose
+        engine id is unchanged stays as it is: pulls from it go on meanwhile."""
         lock = self._connecting.setdefault(address, asyncio.Lock())
         async with lock:
-            if address in self.peers.by_address:
-                return self.peers.by_address[address]
+            known = self.peers.by_address.get(address)
+            if known is not None and not again:
+                return known
             stub = self.peers.stub(address)
             try:
                 reply = await stub.Handshake(wk.HandshakeRequest(
                     engine_id=self.engine_id, layout=layout_message(self.layout)), timeout=10)
+                if reply.engine_id == known:
+                    return known
                 layout = layout_from_message(reply.layout)
                 self.layout.check_compatible(layout)
                 if reply.transport != self.transport:
@@ -92,13 +104,13 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 cls = (FailedPrecondition if e.code() == grpc.StatusCode.FAILED_PRECONDITION
                        else Unavailable)
                 raise cls(f"handshake with {address}: {e.details()}") from None
+            self.peers.forget(address)  # a restart: the old engine id is gone
             self.peers.add(reply.engine_id, address)
             log.info("connected to prefill engine %s at %s", reply.engine_id, address)
             return reply.engine_id
 
     async def Connect(self, request, context):
-        self.peers.forget(request.prefill_address)  # (re)registration: shake hands anew
-        eid = await self._connect(request.prefill_address)
+        eid = await self._connect(request.prefill_address, again=True)
         return wk.ConnectResponse(prefill_engine_id=eid, transport=self.transport)
 
     async def Decode(self, request, context):
@@ -126,9 +138,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         if h.engine_id not in self.peers.address and request.prefill_address:
             # A prefill engine we have not met (or that restarted): shake hands. If that
             # fails, the pull fails ("unknown peer") and the load-failure policy applies.
-            self.peers.forget(request.prefill_address)
             try:
-                await self._connect(request.prefill_address)
+                await self._connect(request.prefill_address, again=True)
             except (Unavailable, FailedPrecondition) as e:
                 log.warning("cannot reach the KV of %s: %s", rid, e)
         deadline = (time.monotonic() + h.lease_s - LEASE_MARGIN_S if h.lease_s > 0
@@ -163,6 +174,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         async for out in self.aengine.generate(rid, add):
             if on_output is not None:
                 on_output()
+            if out.engine_failed:  # INTERNAL: the router moves the request elsewhere
+                raise Internal(out.error)
             if out.error:  # ABORTED: a deliberate end (the router does not move it)
                 raise Aborted(out.error)
             reply = wk.DecodeResponse(delta=delta_message(out))

@@ -65,6 +65,7 @@ class Registry:
         self.on_ready = on_ready  # told (ready, why) whenever readiness changes
         self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
+        self._connecting: dict[tuple[str, str], asyncio.Task] = {}  # handshakes under way
 
     @property
     def workers(self) -> list[Worker]:
@@ -77,12 +78,22 @@ class Registry:
         return None
 
     async def start(self) -> None:
+        """The first poll, and its handshakes (so the first requests are disaggregated);
+        then polls every poll_s."""
         await self.refresh()
+        await self.handshakes(timeout=30)
         self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def handshakes(self, timeout: float) -> None:
+        """Wait for the handshakes under way (at most `timeout` seconds)."""
+        if self._connecting:
+            await asyncio.wait(list(self._connecting.values()), timeout=timeout)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for task in list(self._connecting.values()):
+            task.cancel()
         for w in self.workers:
             await w.client.close()
 
@@ -95,11 +106,23 @@ class Registry:
                 log.exception("worker refresh failed")
 
     async def refresh(self) -> None:
+        """Poll every worker, start the handshakes of new pairs, and say if readiness
+        changed. Handshakes run in the background: a slow one never delays the polls
+        that notice a dead or frozen worker."""
         await asyncio.gather(*(self._poll(w) for w in self.workers))
         by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
-        pending = [(d, p) for d in self.decode if d.state == "up"
-                   for eid, p in by_id.items() if eid not in d.pairs]
-        await asyncio.gather(*(self._connect(d, p) for d, p in pending))
+        for d in self.decode:
+            if d.state != "up":
+                continue
+            for eid, p in by_id.items():
+                key = (d.address, eid)
+                if eid not in d.pairs and key not in self._connecting:
+                    task = asyncio.get_running_loop().create_task(self._connect(d, p, eid))
+                    self._connecting[key] = task
+                    task.add_done_callback(lambda _, k=key: self._connecting.pop(k, None))
+        await self._tell_readiness()
+
+    async def _tell_readiness(self) -> None:
         ready = self.readiness()
         if ready != self._ready:
             self._ready = ready
@@ -132,18 +155,19 @@ class Registry:
                 for eid in [e for e in d.pairs if e not in live]:
                     del d.pairs[eid]
 
-    async def _connect(self, d: Worker, p: Worker) -> None:
+    async def _connect(self, d: Worker, p: Worker, engine_id: str) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION
         (layouts differ) marks the pair unusable for good; other errors retry next poll."""
         try:
             reply = await d.client.connect(p.address)
         except WorkerError as e:
             if e.code.name == "FAILED_PRECONDITION":
-                d.pairs[p.engine_id] = e.details
+                d.pairs[engine_id] = e.details
                 log.error("decode %s cannot take KV from prefill %s: %s", d.address,
                           p.address, e.details)
             return
         d.pairs[reply.prefill_engine_id] = None
+        await self._tell_readiness()
 
     def readiness(self) -> tuple[bool, str]:
         """Whether a request can be served now, and why not. A decode worker alone can

@@ -135,6 +135,8 @@ class RouterServicer(gen_grpc.GenerationServicer):
                                  cache_salt=r.cache_salt)
         overloaded = None
         for worker in self.registry.prefills():
+            if worker.state != "up":  # went down (or draining) since the list was made
+                continue
             worker.routed += 1
             lease = PrefillLease(worker, job.request_id)
             try:

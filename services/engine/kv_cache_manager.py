@@ -99,5 +99,15 @@ class KVCacheManager:
         self._num_published.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def take(self, request: Request) -> list[KVCacheBlock]:
+        """Stop tracking the request's blocks without freeing them: the caller holds them
+        (a pull that timed out, whose transport may still write) and frees them later
+        with free_blocks."""
+        self._num_published.pop(request.request_id, None)
+        return self._blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        self.pool.free_blocks(reversed(blocks))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]

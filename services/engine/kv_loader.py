@@ -16,6 +16,9 @@ while its KV is in flight. Its contract:
 - `abandon(request)`: the request ended while its pull is in flight. Its blocks stay
   allocated until the receiver lets go of them (it may still write), then `land` frees
   them. `busy` stays True until then.
+- A pull that has not landed PULL_TIMEOUT_S after it started (a transport stuck on a
+  peer that froze) fails like any other: the request goes on under the load-failure
+  policy with new blocks, and the old ones are set aside until the receiver lets go.
 - `wait(budget_s)`: poll until the pulls in flight land or the budget is spent: a prompt's
   blocks are a few MB and usually land (and their lease is confirmed) within a few
   milliseconds, so the request can decode in this step instead of the next.
@@ -25,14 +28,18 @@ Request status is the scheduler's to set; this component never touches it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 from kv_transfer.base import KVReceiver, TransferState
+from services.engine.block_pool import KVCacheBlock
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 10.0
 
 
 class RemoteKVLoader:
@@ -41,14 +48,19 @@ class RemoteKVLoader:
         self.receiver = receiver
         self.loading: dict[str, Request] = {}  # pulls in flight, abandoned ones included
         self._abandoned: set[str] = set()
-        self._settled: dict[str, str | None] = {}  # decided without the receiver: error
+        self._settled: dict[str, str | None] = {}  # request id -> error, decided already
+        # Transfer ids are unique per pull, so a timed-out pull (still in the receiver)
+        # and a later request of the same id never share one.
+        self._transfer: dict[str, tuple[str, float]] = {}  # request id -> (id, started)
+        self._pull_ids = itertools.count()
+        self._set_aside: dict[str, list[KVCacheBlock]] = {}  # transfer id -> its blocks
         self.num_blocks_pulled = 0  # remote blocks copied in
         self.num_blocks_local = 0  # remote blocks found in our own prefix cache instead
         self.num_failures = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self.loading)
+        return bool(self.loading) or bool(self._set_aside)
 
     def start(self, req: Request) -> bool:
         handle = req.remote
@@ -76,7 +88,9 @@ class RemoteKVLoader:
             self._settled[req.request_id] = None
             return True
         self.num_blocks_pulled += len(local_ids)
-        self.receiver.start_load(req.request_id, handle, remote_ids, local_ids)
+        tid = f"{req.request_id}/{next(self._pull_ids)}"
+        self._transfer[req.request_id] = (tid, now)
+        self.receiver.start_load(tid, handle, remote_ids, local_ids)
         return True
 
     def abandon(self, req: Request) -> None:
@@ -84,18 +98,21 @@ class RemoteKVLoader:
             self._abandoned.add(req.request_id)
 
     def land(self) -> list[tuple[Request, str | None]]:
+        self._free_set_aside()
         landed = []
+        now = time.monotonic()
         for rid, req in list(self.loading.items()):
-            if rid in self._settled:
+            if rid in self._settled or self._peek_done(rid):
                 error = self._settled.pop(rid)
+            elif now - self._transfer[rid][1] > PULL_TIMEOUT_S:
+                tid = self._transfer[rid][0]
+                self._set_aside[tid] = self.kv.take(req)  # freed once the receiver is done
+                error = f"the pull did not land within {PULL_TIMEOUT_S:.0f}s"
             else:
-                state, error = self.receiver.poll(rid)
-                if not state.done:
-                    continue
-                if state is TransferState.FAILED:
-                    error = error or "transfer failed"
+                continue
             del self.loading[rid]
-            req.load_end = time.monotonic()
+            self._transfer.pop(rid, None)
+            req.load_end = now
             if rid in self._abandoned:
                 self._abandoned.discard(rid)
                 self.kv.free(req)
@@ -109,6 +126,11 @@ class RemoteKVLoader:
             landed.append((req, error))
         return landed
 
+    def _free_set_aside(self) -> None:
+        for tid in list(self._set_aside):
+            if self.receiver.poll(tid)[0].done:
+                self.kv.free_blocks(self._set_aside.pop(tid))
+
     def wait(self, budget_s: float) -> None:
         """Sleep-poll until every pull in flight is done or `budget_s` has passed."""
         deadline = time.monotonic() + budget_s
@@ -119,7 +141,9 @@ class RemoteKVLoader:
 
     def _peek_done(self, rid: str) -> bool:
         # poll() forgets a finished transfer, so remember its answer for land().
-        state, error = self.receiver.poll(rid)
+        if rid in self._settled:
+            return True
+        state, error = self.receiver.poll(self._transfer[rid][0])
         if not state.done:
             return False
         self._settled[rid] = None if state is TransferState.SUCCESS else (

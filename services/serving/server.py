@@ -16,6 +16,7 @@ leases until the decode workers have pulled them; the router keeps using its pai
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import time
@@ -115,7 +116,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(
+                handler.unary_stream):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
@@ -126,6 +128,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:  # writes with context.write (Health.Watch)
+            inner_writer = handler.unary_stream
+
+            async def writer(request, context):
+                async with guarded(context):
+                    return await inner_writer(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                writer, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler  # client streaming: none of ours
 

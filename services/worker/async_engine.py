@@ -40,7 +40,9 @@ class AsyncEngine:
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its loop, its output queue, set once the engine holds it)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue,
+                                      threading.Event]] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -65,9 +67,9 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        entry = (asyncio.get_running_loop(), queue)
-        self._queues[request_id] = entry
         admitted = threading.Event()  # set on the engine thread once the engine holds it
+        entry = (asyncio.get_running_loop(), queue, admitted)
+        self._queues[request_id] = entry
         finished = False
 
         def admit(engine: LLMEngine):
@@ -128,9 +130,12 @@ class AsyncEngine:
             self.engine.fail_all()
         except Exception:  # noqa: BLE001 - keep the thread alive whatever happens
             log.exception("recovery from the failed step failed")
+        # Only requests the engine held: one whose admit call is still queued is added
+        # after this, and its stream goes on normally.
         return [RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="",
-                              finish_reason="abort", error="internal engine error")
-                for rid in list(self._queues)]
+                              finish_reason="abort", error="internal engine error",
+                              engine_failed=True)
+                for rid, (_, _, admitted) in list(self._queues.items()) if admitted.is_set()]
 
     def _run(self) -> None:
         engine = self.engine
@@ -166,7 +171,7 @@ class AsyncEngine:
             for out in outputs:
                 entry = self._queues.get(out.request_id)
                 if entry is not None:
-                    loop, queue = entry
+                    loop, queue, _ = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
             if not outputs and not self.stats.num_running:
                 self._wake.wait(LOAD_WAIT_S)  # only transfers in flight: don't spin

@@ -13,7 +13,7 @@ from services.serving.server import DRAIN_GRACE_S
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     address: str = "0.0.0.0:50061"
-    engine_id: str = ""  # unique per process start; the CLI makes one
+    engine_id: str = ""  # unique per process start: the CLI adds a random suffix
     kv_transport: str | None = None  # "nixl" or "grpc"; the CLI picks NIXL when it loads
     max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
     threads: int | None = None  # torch intra-op threads; default torch's choice

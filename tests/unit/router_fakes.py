@@ -68,6 +68,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     die_after: int | None = None  # decode: fail (UNAVAILABLE) after this many messages
     token_delay_s: float = 0.0
     connect_error: str | None = None  # decode: every handshake fails with this
+    connect_hangs: bool = False  # decode: handshakes never answer
     frozen: bool = False  # answers nothing (stats, decode) until thawed
     leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
     released: list[tuple[str, int, bool]] = field(default_factory=list)
@@ -127,6 +128,8 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     # ---- decode ----------------------------------------------------------------------
 
     async def Connect(self, request, context):
+        while self.connect_hangs:
+            await asyncio.sleep(0.05)
         if self.connect_error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.connect_error)
         source = next(f for f in FAKES.values() if f.address == request.prefill_address)

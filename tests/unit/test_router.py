@@ -142,6 +142,7 @@ def test_an_unpairable_prefill_worker_is_skipped_and_decode_prefills(tok):
             c.decode[0].connect_error = "KV layout mismatch (block_size: ours 32, peer 16)"
             c.registry.decode[0].pairs.clear()
             await c.registry.refresh()
+            await c.registry.handshakes(timeout=5)
             ready, why = c.registry.readiness()
             assert ready and "block_size" in why
             assert tokens(await c.generate(PROMPT, 5)) == expected(PROMPT, 5)

@@ -153,6 +153,7 @@ def test_no_decode_worker_left_that_pairs_with_the_prefill_worker_recomputes(tok
             d1.connect_error = "KV layout mismatch (dtype: ours float16, peer float32)"
             c.registry.decode[1].pairs.clear()
             await c.registry.refresh()
+            await c.registry.handshakes(timeout=5)
             d0.die_after = 3 if when == "mid-stream" else 0
             msgs = await c.generate(PROMPT, 10)
             assert tokens(msgs) == expected(PROMPT, 10)
@@ -185,17 +186,42 @@ def test_a_frozen_decode_worker_counts_as_dead_within_the_worker_timeout(tok):
     run(main())
 
 
-def test_a_frozen_prefill_worker_counts_as_dead_and_the_prompt_moves_on(tok):
+@pytest.mark.parametrize("frozen", ["one", "both"])
+def test_a_frozen_prefill_worker_counts_as_dead_and_the_prompt_moves_on(tok, frozen):
+    """A prompt stuck on a frozen prefill worker moves on when the worker is found
+    silent: to the other prefill worker, or, when that one froze too, to a decode worker
+    (never to a worker already known to be down)."""
+
     async def main():
         async with cluster(tok, prefills=2) as c:
             for p in c.prefill:
-                p.freeze()  # whichever is tried first hangs
-            c.prefill[1].thaw()
-            c.prefill[1].frozen = False
+                p.freeze()
+            if frozen == "one":
+                c.prefill[1].thaw()
             t0 = time.monotonic()
             results = await asyncio.gather(*(c.generate(PROMPT, 4, timeout=20)
                                              for _ in range(3)))
             assert all(tokens(m) == expected(PROMPT, 4) for m in results)
             assert time.monotonic() - t0 < 3.0
+
+    run(main())
+
+
+def test_a_handshake_that_hangs_does_not_delay_noticing_a_frozen_worker(tok):
+    async def main():
+        async with cluster(tok, decodes=2) as c:
+            d0, d1 = c.decode
+            d1.connect_hangs = True
+            c.registry.decode[1].pairs.clear()  # as if d1 restarted: handshake again
+            await asyncio.sleep(0.3)  # the handshake is under way (and hangs)
+            msgs = []
+            t0 = time.monotonic()
+            async for m in c.stub.Generate(request(PROMPT, 12), timeout=20):
+                msgs.append(m)
+                if len(msgs) == 2:
+                    next(d for d in c.decode if d.decodes).freeze()
+            assert tokens(msgs) == expected(PROMPT, 12)
+            assert time.monotonic() - t0 < 3.0
+            d1.connect_hangs = False
 
     run(main())

@@ -18,7 +18,8 @@ BS = 4  # tokens per block
 
 
 class Pulls(KVReceiver):
-    """A transport the test drives: a pull stays in flight until `finish` decides it."""
+    """A transport the test drives: a pull stays in flight until `finish` decides it.
+    Pulls are named by request id here (the loader's transfer ids are `rid/n`)."""
 
     def __init__(self):
         self.started: dict[str, tuple[list[int], list[int]]] = {}
@@ -28,19 +29,21 @@ class Pulls(KVReceiver):
         pass
 
     def start_load(self, transfer_id, handle, remote_block_ids, local_block_ids) -> None:
-        self.started[transfer_id] = (list(remote_block_ids), list(local_block_ids))
+        self.started[transfer_id.split("/")[0]] = (list(remote_block_ids),
+                                                   list(local_block_ids))
 
-    def finish(self, transfer_id: str, error: str | None = None) -> None:
-        self.outcome[transfer_id] = ((TransferState.FAILED, error) if error
-                                     else (TransferState.SUCCESS, None))
+    def finish(self, rid: str, error: str | None = None) -> None:
+        self.outcome[rid] = ((TransferState.FAILED, error) if error
+                             else (TransferState.SUCCESS, None))
 
     def poll(self, transfer_id):
-        if transfer_id not in self.started:
+        rid = transfer_id.split("/")[0]
+        if rid not in self.started:
             return TransferState.FAILED, "unknown transfer"
-        if transfer_id not in self.outcome:
+        if rid not in self.outcome:
             return TransferState.TRANSFERRING, None
-        del self.started[transfer_id]
-        return self.outcome.pop(transfer_id)
+        del self.started[rid]
+        return self.outcome.pop(rid)
 
 
 def make(num_blocks: int = 32, budget: int = 16, policy: str = "fcfs", receiver=None,
@@ -256,4 +259,27 @@ def test_a_lease_revoked_from_another_thread_keeps_its_blocks_until_the_engine_c
     assert s.leases.blocks("a", a.lease_id) is None and not s.leases.revoke("a")
     assert pool.num_free_blocks == free  # nothing can reuse them yet
     s.expire_leases(0.0)  # the engine thread's next step collects
+    pool.check_all_free()
+
+
+def test_a_pull_that_never_lands_fails_and_its_blocks_wait_for_the_transport(monkeypatch):
+    """A transport stuck on a frozen peer: after PULL_TIMEOUT_S the request recomputes
+    with new blocks; the old ones stay set aside (it may still write) until it lets go."""
+    from services.engine import kv_loader
+
+    pulls = Pulls()
+    s, pool = make(receiver=pulls)
+    s.add_request(r := _remote("r", 10))
+    s.schedule()
+    held = set(s.kv.block_ids("r"))
+    monkeypatch.setattr(kv_loader, "PULL_TIMEOUT_S", 0.0)
+    out = s.schedule()
+    assert r.status is RequestStatus.RUNNING and r.remote is None  # recomputing
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("r", 11)]
+    assert not held & set(s.kv.block_ids("r"))  # new blocks: the old are set aside
+    s.abort("r")
+    assert s.has_unfinished_requests()  # the stuck pull still holds its blocks
+    pulls.finish("r")
+    s.schedule()
+    assert not s.has_unfinished_requests()
     pool.check_all_free()
