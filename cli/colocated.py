@@ -1,7 +1,8 @@
 """Colocated mode: one process, one engine that prefills and decodes, behind the same
-router logic as the disaggregated system (validation, tokenizing, admission, deadlines,
-streaming), which calls the engine's decode servicer in-process: no network hop, no
-second implementation of Generate. The baseline that disaggregation is measured against."""
+router as the disaggregated system (validation, tokenizing, admission, deadlines,
+streaming, the HTTP API, metrics), which calls the engine's decode servicer in-process:
+no network hop, no second implementation of Generate. The baseline that disaggregation
+is measured against."""
 
 from __future__ import annotations
 
@@ -10,47 +11,49 @@ import asyncio
 import grpc
 
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from decode_worker.peers import Peers
 from decode_worker.server import DecodeServicer
 from router.clients import LocalWorkerClient
 from router.config import RouterConfig
-from router.server import build
-from services.serving.server import Lifecycle, method_name, run_server, service_name
+from router.server import build, run
+from services.serving import tracing
+from services.serving.security import Security
+from services.serving.server import Lifecycle, method_name, service_name
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.runtime import make_engine
 from services.worker.worker_service import WorkerServicer
 
 
-def serve(worker: WorkerConfig, router: RouterConfig) -> None:
+def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
+    tracing.setup("baton-colocated", worker.service.otlp_traces_endpoint)
     engine = make_engine(worker.engine, worker.threads)
     aengine = AsyncEngine(engine, worker.max_waiting)
+    metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
+                            engine.kv_layout.block_bytes)  # served with the router's
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
 
     async def main():
         # Never given a KV handle (no prefill workers here): it computes every prompt.
-        decode = DecodeServicer(aengine, worker.engine_id, "", Peers(), receiver=None)
+        decode = DecodeServicer(aengine, worker.engine_id, "", Peers(Security.of(worker)),
+                                receiver=None, metrics=metrics)
         # Its own lifecycle: a drain of this service must not make its router think the
         # engine drains (the router would then refuse what it accepted before SIGTERM).
         stats = WorkerServicer(aengine, worker.engine_id, "colocated", Lifecycle())
-        servicer, registry = build(router, lifecycle, [],
-                                   [LocalWorkerClient(worker.address, decode, stats)])
+        router = build(router_config, lifecycle, [],
+                       [LocalWorkerClient(worker.service.address, decode, stats)])
 
-        def register(server: grpc.aio.Server) -> list[str]:
-            gen_grpc.add_GenerationServicer_to_server(servicer, server)
+        def register_more(server: grpc.aio.Server) -> list[str]:
             wk_grpc.add_WorkerServiceServicer_to_server(stats, server)
-            return [service_name(gen, "Generation"), service_name(wk, "WorkerService")]
+            return [service_name(wk, "WorkerService")]
 
         async def stop():
-            await registry.close()
-            servicer.intake.close()
             aengine.stop()
 
-        await run_server(worker.address, register, lifecycle,
-                         idle=lambda: aengine.stats.idle, on_start=registry.start,
-                         on_stop=stop, grace_s=worker.drain_grace, serving_at_start=False)
+        await run(router_config, router, lifecycle, register_more,
+                  idle=lambda: aengine.stats.idle, on_stop=stop, registries=[metrics.registry])
 
     asyncio.run(main())

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 
 from router.config import RouterConfig
 from services.engine.config import DTYPES, EngineConfig
+from services.serving.config import ServiceConfig
 from services.worker.config import WorkerConfig
 
 ROLES = ("router", "prefill", "decode", "colocated")
 WORKERS = ("prefill", "decode", "colocated")
 ROUTERS = ("router", "colocated")
 DEFAULT_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071, "colocated": 50051}
-CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig}
+CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig,
+           "service": ServiceConfig}
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,21 @@ def _f(name, roles, fills, help, **kw) -> Flag:
 
 FLAGS: list[Flag] = [
     # -- every service
-    _f("drain-grace", ROLES, (("worker", "drain_grace"), ("router", "drain_grace")),
+    _f("drain-grace", ROLES, "service.drain_grace",
        "on SIGTERM: seconds the work in flight gets to finish", kind=float),
+    _f("tls-cert", ROLES, "service.tls_cert",
+       "TLS certificate (PEM) of this service's port, shown when it calls a worker too",
+       optional=True),
+    _f("tls-key", ROLES, "service.tls_key", "the certificate's private key (PEM)",
+       optional=True),
+    _f("tls-ca", ROLES, "service.tls_ca",
+       "CA certificate (PEM): workers want callers signed by it (mutual TLS), and every "
+       "service checks the workers it calls against it", optional=True),
+    _f("metrics-port", ROLES, "service.metrics_port",
+       "Prometheus /metrics on this HTTP port (0: none; the router also serves them on "
+       "--http-port)", kind=int),
+    _f("otlp-traces-endpoint", ROLES, "service.otlp_traces_endpoint",
+       "send OpenTelemetry traces to this OTLP gRPC collector (host:port)", optional=True),
     # -- engines
     _f("model", ROLES, (("engine", "model"), ("router", "model")),
        "a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct); the "
@@ -152,6 +167,15 @@ FLAGS: list[Flag] = [
     _f("worker-timeout", ("router",), "router.worker_timeout",
        "a worker silent this long is down (dead or frozen); its requests move on",
        kind=float),
+    _f("http-port", ROUTERS, "router.http_port",
+       "the OpenAI-compatible HTTP API (and /metrics) on this port; 0: none", kind=int),
+    _f("served-model-name", ROUTERS, "router.served_model_name",
+       "the model's name in the OpenAI API (default: the workers' model)", optional=True),
+    _f("api-key", ROUTERS, "router.api_keys",
+       "callers must send `Authorization: Bearer <key>` (repeat, or comma-separate)",
+       kind=list),
+    _f("api-key-file", ROUTERS, "router.api_key_file",
+       "a file of API keys, one a line", optional=True),
 ]
 
 

@@ -55,8 +55,10 @@ def _serve(args, flags: list[Flag]) -> None:
     given = values(args, flags, role)
     try:
         from router.config import RouterConfig
+        from services.serving.config import ServiceConfig
 
-        router = RouterConfig(address=address, **given["router"])
+        service = ServiceConfig(address=address, **given["service"])
+        router = RouterConfig(service=service, **given["router"])
         if role == "router" and not router.decode:
             fail("the router needs --decode addresses (and usually --prefill ones)")
         if role in WORKERS:
@@ -72,7 +74,7 @@ def _serve(args, flags: list[Flag]) -> None:
                 from kv_transfer import default_transport
 
                 worker["kv_transport"] = default_transport()
-            config = WorkerConfig(engine=engine, address=address, **worker)
+            config = WorkerConfig(engine=engine, service=service, **worker)
     except ValueError as e:
         fail(str(e))
     if role == "router":

@@ -16,9 +16,14 @@ from services.serving.processes import spawn, stop_all, wait_healthy
 
 def add_parser(sub, with_flags: bool) -> list[Flag]:
     p = sub.add_parser("up", help="run router + prefill + decode on this machine")
-    p.add_argument("--port", type=int, default=50051, help="the router's port")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP port (and /metrics)")
     p.add_argument("--prefill-port", type=int, default=50061)
     p.add_argument("--decode-port", type=int, default=50071)
+    p.add_argument("--prefill-metrics-port", type=int, default=8061)
+    p.add_argument("--decode-metrics-port", type=int, default=8071)
+    p.add_argument("--api-key", help="callers must send `Authorization: Bearer <key>`")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return add_flags(p, ("prefill", "decode")) if with_flags else []
 
@@ -37,25 +42,25 @@ def up(args, flags: list[Flag]) -> None:
     router = f"127.0.0.1:{args.port}"
     names: dict[int, str] = {}
     try:
+        metrics = {"prefill": args.prefill_metrics_port, "decode": args.decode_metrics_port}
         for role, address in (("prefill", prefill), ("decode", decode)):
-            proc = spawn(role, address, argv_for(args, flags, role))
+            proc = spawn(role, address, [*argv_for(args, flags, role), "--metrics-port",
+                                         str(metrics[role])])
             procs.append(proc)
             names[proc.pid] = role
         wait_healthy(prefill, procs[0], args.startup_timeout)
         wait_healthy(decode, procs[1], args.startup_timeout)
-        router_flags = ["--prefill", prefill, "--decode", decode]
+        router_flags = ["--prefill", prefill, "--decode", decode, "--http-port",
+                        str(args.http_port)]
         if args.model:
             router_flags += ["--model", args.model]
+        if args.api_key:
+            router_flags += ["--api-key", args.api_key]
         proc = spawn("router", router, router_flags)
         procs.append(proc)
         names[proc.pid] = "router"
         wait_healthy(router, proc, args.startup_timeout)
-        print(f"\nBaton is up: router on localhost:{args.port} (prefill :{args.prefill_port}, "
-              f"decode :{args.decode_port}).\nTry:\n"
-              f"  .venv/bin/baton generate --chat 'What is the capital of France?' "
-              f"--address localhost:{args.port}\n"
-              f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{args.port} "
-              "baton.v1.Generation/Generate\nCtrl-C stops everything.\n", flush=True)
+        print(banner(args, metrics, served_name(router, args.api_key)), flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -70,3 +75,45 @@ def up(args, flags: list[Flag]) -> None:
         stop_all([p for p in procs if names.get(p.pid) != "router"])
     if not stopping:
         sys.exit(1)
+
+
+def served_name(router: str, api_key: str | None) -> str:
+    """The model's name in the OpenAI API, as the router says it."""
+    import grpc
+
+    from baton.v1 import generation_pb2 as gen
+    from baton.v1 import generation_pb2_grpc as gen_grpc
+
+    with grpc.insecure_channel(router) as channel:
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        info = gen_grpc.GenerationStub(channel).GetModelInfo(
+            gen.GetModelInfoRequest(), metadata=metadata, timeout=10).info
+    return info.model.removesuffix(".gguf")
+
+
+def banner(args, metrics: dict[str, int], model: str) -> str:
+    http, grpc_port = f"http://localhost:{args.http_port}", args.port
+    key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    sdk = (f"import openai; c = openai.OpenAI(base_url='{http}/v1', "
+           f"api_key='{args.api_key or 'none'}'); "
+           "print(c.chat.completions.create(model=c.models.list().data[0].id, "
+           "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)")
+    return "\n".join([
+        "",
+        f"Baton is up: the OpenAI API on {http}/v1, gRPC on localhost:{grpc_port}",
+        f"(prefill :{args.prefill_port}, decode :{args.decode_port}; /metrics on "
+        f":{args.http_port}, :{metrics['prefill']} and :{metrics['decode']}). Try:",
+        "",
+        f"  curl {http}/v1/chat/completions{key} -H 'Content-Type: application/json' \\",
+        f"    -d '{chat}'",
+        "",
+        f'  .venv/bin/python -c "{sdk}"',
+        "",
+        "  .venv/bin/baton generate --chat 'What is the capital of France?' "
+        f"--address localhost:{grpc_port}",
+        f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{grpc_port} "
+        "baton.v1.Generation/Generate",
+        "",
+        "Ctrl-C stops everything.",
+        ""])

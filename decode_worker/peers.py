@@ -14,7 +14,7 @@ import grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer.base import KVHandle
-from services.serving.server import CHANNEL_OPTIONS
+from services.serving.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ MAX_CONFIRMED = 4096
 
 
 class Peers:
-    def __init__(self):
+    def __init__(self, security: Security):
+        self.security = security  # TLS to the prefill workers, when set
         self.address: dict[str, str] = {}  # engine id -> address
         self.by_address: dict[str, str] = {}  # address -> engine id
         self._aio: dict[str, tuple[grpc.aio.Channel, wk_grpc.PrefillServiceStub]] = {}
@@ -44,13 +45,13 @@ class Peers:
 
     def stub(self, address: str) -> wk_grpc.PrefillServiceStub:
         if address not in self._aio:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self.security.aio_channel(address)
             self._aio[address] = (channel, wk_grpc.PrefillServiceStub(channel))
         return self._aio[address][1]
 
     def add(self, engine_id: str, address: str) -> None:
         self.address[engine_id], self.by_address[address] = address, engine_id
-        self._sync[engine_id] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._sync[engine_id] = self.security.channel(address)
 
     def forget(self, address: str) -> None:
         """Drop a peer (it restarted under a new engine id): shake hands again next time."""

@@ -24,6 +24,7 @@ from kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
 from kv_transfer.faults import FailingReceiver
 from kv_transfer.lease_check import LeaseCheckedReceiver
 from services.engine.engine import LLMEngine
+from services.serving import tracing
 from services.serving.errors import (
     Aborted,
     FailedPrecondition,
@@ -31,6 +32,8 @@ from services.serving.errors import (
     InvalidArgument,
     Unavailable,
 )
+from services.serving.security import Security
+from services.worker import spans
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
 from services.worker.messages import (
@@ -40,6 +43,7 @@ from services.worker.messages import (
     sampling_params,
     timings_message,
 )
+from services.worker.metrics import WorkerMetrics
 from services.worker.runtime import make_engine, run_worker
 
 log = logging.getLogger(__name__)
@@ -62,8 +66,9 @@ def _warm_up(receiver: KVReceiver, engine_id: str, timeout_s: float = 10.0) -> N
 
 class DecodeServicer(wk_grpc.DecodeServiceServicer):
     def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers,
-                 receiver: KVReceiver):
+                 receiver: KVReceiver, metrics: WorkerMetrics | None = None):
         self.aengine = aengine
+        self.metrics = metrics
         self.engine_id = engine_id
         self.transport = transport
         self.peers = peers
@@ -127,7 +132,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                       priority=request.priority,
                                       cache_salt=request.cache_salt or None)
 
-            async with aclosing(self._stream(rid, resume)) as replies:
+            async with aclosing(self._stream(rid, resume, context)) as replies:
                 async for reply in replies:
                     yield reply
             return
@@ -162,32 +167,49 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 self.peers.release_soon(handle)
 
         try:
-            async with aclosing(self._stream(rid, add, release_once)) as replies:
+            async with aclosing(self._stream(rid, add, context, release_once)) as replies:
                 async for reply in replies:
                     yield reply
         finally:
             release_once()
 
-    async def _stream(self, rid: str, add, on_output=None):
-        """The request's outputs as DecodeResponses."""
-        first = True
-        async for out in self.aengine.generate(rid, add):
-            if on_output is not None:
-                on_output()
-            if out.engine_failed:  # INTERNAL: the router moves the request elsewhere
-                raise Internal(out.error)
-            if out.error:  # ABORTED: a deliberate end (the router does not move it)
-                raise Aborted(out.error)
-            reply = wk.DecodeResponse(delta=delta_message(out))
-            if first:
-                reply.cached_tokens = out.num_cached_tokens
-                reply.timings.CopyFrom(timings_message(out))
-                first = False
-            yield reply
+    async def _stream(self, rid: str, add, context, on_output=None):
+        """The request's outputs as DecodeResponses; its part of the trace as spans: the
+        pull (or queue and prefill, when it computed the prompt itself), then decode."""
+        local = on_output is None  # no KV handle: this worker computes the prompt
+        first, parent, decode = True, tracing.extract(_metadata(context)), None
+        try:
+            async for out in self.aengine.generate(rid, add):
+                if on_output is not None:
+                    on_output()
+                if out.engine_failed:  # INTERNAL: the router moves the request elsewhere
+                    raise Internal(out.error)
+                if out.error:  # ABORTED: a deliberate end (the router does not move it)
+                    raise Aborted(out.error)
+                reply = wk.DecodeResponse(delta=delta_message(out))
+                if first:
+                    reply.cached_tokens = out.num_cached_tokens
+                    reply.timings.CopyFrom(timings_message(out))
+                    first = False
+                    if self.metrics is not None:
+                        self.metrics.observe(out)
+                    if local:
+                        spans.prompt(out, parent)
+                    else:
+                        spans.pull(out, parent)
+                    decode = tracing.child("decode", parent)[0]
+                yield reply
+        finally:
+            if decode is not None:
+                decode.end()
+
+
+def _metadata(context):
+    return context.invocation_metadata() if context is not None else ()
 
 
 def serve(config: WorkerConfig) -> None:
-    peers = Peers()
+    peers = Peers(Security.of(config))
     made: dict[str, KVReceiver] = {}
 
     def receiver(layout: KVLayout, kv_caches: list) -> KVReceiver:
@@ -202,10 +224,10 @@ def serve(config: WorkerConfig) -> None:
 
     engine = make_engine(config.engine, config.threads, kv_receiver=receiver)
 
-    def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:
+    def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_DecodeServiceServicer_to_server(
             DecodeServicer(aengine, config.engine_id, config.kv_transport, peers,
-                           made["transport"]), server)
+                           made["transport"], metrics), server)
 
     run_worker(config, "decode", engine, "DecodeService", add,
                closers=[made["checked"].close, peers.close])

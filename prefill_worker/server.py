@@ -15,7 +15,9 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer import make_sender
 from services.engine.engine import LLMEngine
+from services.serving import tracing
 from services.serving.errors import Aborted, InvalidArgument
+from services.worker import spans
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
 from services.worker.messages import (
@@ -24,6 +26,7 @@ from services.worker.messages import (
     layout_message,
     sampling_params,
 )
+from services.worker.metrics import WorkerMetrics
 from services.worker.runtime import make_engine, run_worker
 
 log = logging.getLogger(__name__)
@@ -31,9 +34,10 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(wk_grpc.PrefillServiceServicer):
     def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str,
-                 transport_metadata: bytes):
+                 transport_metadata: bytes, metrics: WorkerMetrics):
         engine = aengine.engine
         self.aengine = aengine
+        self.metrics = metrics
         self.engine_id = engine_id
         self.transport = transport
         self.transport_metadata = transport_metadata
@@ -56,6 +60,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             out = o
         if out is None or out.error or out.finish_reason == "abort":
             raise Aborted(out.error if out is not None and out.error else "aborted")
+        self.metrics.observe(out)
+        spans.prompt(out, tracing.extract(context.invocation_metadata()))
         reply = wk.PrefillResponse(
             delta=delta_message(out), cached_tokens=out.num_cached_tokens,
             timings=gen.Timings(queue_s=out.queue_time or 0.0,
@@ -86,9 +92,9 @@ def serve(config: WorkerConfig) -> None:
     sender = make_sender(config.kv_transport, config.engine_id, engine.kv_layout,
                          engine.kv_caches)
 
-    def add(server: grpc.aio.Server, aengine: AsyncEngine) -> None:
+    def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(
             PrefillServicer(aengine, config.engine_id, config.kv_transport,
-                            sender.metadata()), server)
+                            sender.metadata(), metrics), server)
 
     run_worker(config, "prefill", engine, "PrefillService", add, closers=[sender.close])

@@ -19,6 +19,7 @@ import grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.serving.errors import BY_CODE, ServiceError, retry_after_s
+from services.serving.security import Security
 from services.serving.server import CHANNEL_OPTIONS, status_of
 
 # What a worker that failed (died, froze, or whose engine failed) looks like: the request
@@ -49,9 +50,10 @@ class WorkerError(Exception):
 
 
 class GrpcWorkerClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: Security | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (security.aio_channel(address) if security is not None
+                        else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._inflight: dict[object, bool] = {}  # call -> failed by fail_inflight()
 
     async def close(self) -> None:
@@ -91,13 +93,15 @@ class GrpcWorkerClient:
         with self._tracked(call):
             return await call
 
-    async def prefill(self, req: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse:
+    async def prefill(self, req: wk.PrefillRequest, timeout: float, metadata=()
+                      ) -> wk.PrefillResponse:
         return await self._unary(wk_grpc.PrefillServiceStub(self.channel).Prefill(
-            req, timeout=timeout))
+            req, timeout=timeout, metadata=metadata))
 
-    async def decode(self, req: wk.DecodeRequest, timeout: float
+    async def decode(self, req: wk.DecodeRequest, timeout: float, metadata=()
                      ) -> AsyncIterator[wk.DecodeResponse]:
-        call = wk_grpc.DecodeServiceStub(self.channel).Decode(req, timeout=timeout)
+        call = wk_grpc.DecodeServiceStub(self.channel).Decode(req, timeout=timeout,
+                                                              metadata=metadata)
         try:
             with self._tracked(call):
                 async for msg in call:
@@ -117,6 +121,19 @@ class GrpcWorkerClient:
     async def connect(self, prefill_address: str) -> wk.ConnectResponse:
         return await self._unary(wk_grpc.DecodeServiceStub(self.channel).Connect(
             wk.ConnectRequest(prefill_address=prefill_address), timeout=30))
+
+
+class LocalContext:
+    """What an in-process call's handler may ask of its context."""
+
+    def __init__(self, metadata=()):
+        self._metadata = tuple(metadata)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def cancelled(self) -> bool:
+        return False
 
 
 class LocalWorkerClient:
@@ -139,12 +156,12 @@ class LocalWorkerClient:
         code, details = status_of(e)
         return WorkerError(code, details, getattr(e, "retry_after_s", None))
 
-    async def decode(self, req: wk.DecodeRequest, timeout: float
+    async def decode(self, req: wk.DecodeRequest, timeout: float, metadata=()
                      ) -> AsyncIterator[wk.DecodeResponse]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
-            async with aclosing(self._decode.Decode(req, None)) as replies:
+            async with aclosing(self._decode.Decode(req, LocalContext(metadata))) as replies:
                 while True:
                     try:
                         msg = await asyncio.wait_for(anext(replies), deadline - loop.time())
@@ -159,7 +176,7 @@ class LocalWorkerClient:
     async def stats(self, timeout: float) -> wk.GetStatsResponse:
         return await self._worker.GetStats(wk.GetStatsRequest(), None)
 
-    async def prefill(self, req, timeout):  # a colocated worker has no prefill worker
+    async def prefill(self, req, timeout, metadata=()):  # colocated: no prefill worker
         raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")
 
     async def release(self, request_id: str, lease_id: int = 0) -> bool:

@@ -3,6 +3,7 @@
 same run, one topology at a time on the machine.
 
     python -m services.bench.serve [--concurrency 16 64] [--rounds 1] [--json]
+    python -m services.bench.serve --compare-apis --concurrency 64 --rounds 2
 
 Prints, per mode and concurrency: output throughput, TTFT p50/p99, ITL p50/p99, and for
 the disaggregated mode the KV transfer time per request, its GB/s and its share of the
@@ -31,7 +32,8 @@ from kv_transfer.base import KVLayout
 from services.bench.workloads import make_workload
 from services.serving.processes import spawn, stop_all, wait_healthy
 
-PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281}
+PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281,
+         "http": 50252}
 
 
 @dataclass
@@ -94,13 +96,16 @@ async def run_load(address: str, prompts: list[list[int]], output_len: int, conc
     return res
 
 
-def start(mode: str, threads: int, worker_threads: int, kv_gib: float) -> tuple[list, str]:
-    env_flags = ["--kv-cache-gib", str(kv_gib), "--log-level", "WARNING"]
+def start(mode: str, threads: int, worker_threads: int, kv_gib: float,
+          caching: bool = True) -> tuple[list, str]:
+    env_flags = ["--kv-cache-gib", str(kv_gib), "--log-level", "WARNING",
+                 "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
     procs = []
     try:
         if mode == "colocated":
             procs.append(spawn("colocated", f"127.0.0.1:{PORTS['colocated']}",
-                               env_flags + ["--threads", str(threads)]))
+                               env_flags + ["--threads", str(threads), "--http-port",
+                                            str(PORTS["http"])]))
             wait_healthy(f"127.0.0.1:{PORTS['colocated']}", procs[0], 300)
             return procs, f"127.0.0.1:{PORTS['colocated']}"
         for role in ("prefill", "decode"):
@@ -109,8 +114,8 @@ def start(mode: str, threads: int, worker_threads: int, kv_gib: float) -> tuple[
         for role, p in zip(("prefill", "decode"), procs, strict=True):
             wait_healthy(f"127.0.0.1:{PORTS[role]}", p, 300)
         procs.append(spawn("router", f"127.0.0.1:{PORTS['router']}",
-                           ["--log-level", "WARNING", "--prefill",
-                            f"127.0.0.1:{PORTS['prefill']}", "--decode",
+                           ["--log-level", "WARNING", "--http-port", str(PORTS["http"]),
+                            "--prefill", f"127.0.0.1:{PORTS['prefill']}", "--decode",
                             f"127.0.0.1:{PORTS['decode']}"]))
         wait_healthy(f"127.0.0.1:{PORTS['router']}", procs[-1], 60)
         return procs, f"127.0.0.1:{PORTS['router']}"
@@ -130,6 +135,74 @@ async def warm_up(address: str) -> None:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+async def run_load_http(base: str, prompts: list[list[int]], output_len: int,
+                        concurrency: int) -> Result:
+    """The same load through the OpenAI-compatible API: streamed completions of the same
+    token-id prompts, tokens counted from each stream's usage."""
+    import httpx
+
+    res = Result()
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(ids: list[int]) -> None:
+            body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0 = last = time.perf_counter()
+            first = True
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    now = time.perf_counter()
+                    if chunk["choices"]:
+                        (res.ttft if first else res.itl).append(now - (t0 if first else last))
+                        first, last = False, now
+                    elif chunk.get("usage"):
+                        res.tokens += chunk["usage"]["completion_tokens"]
+
+        async def client_task():
+            while not queue.empty():
+                await one(queue.get_nowait())
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_task() for _ in range(concurrency)))
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+def compare_apis(args) -> None:
+    """W1 through the same router over gRPC and over HTTP, alternating, in one run (prefix
+    caching off, so every round does the same work). Prints HTTP / gRPC throughput."""
+    procs, address = start("disaggregated", args.threads, args.worker_threads,
+                           args.kv_cache_gib, caching=False)
+    base = f"http://127.0.0.1:{PORTS['http']}"
+    got: dict[str, list[float]] = {"grpc": [], "http": []}
+    try:
+        asyncio.run(warm_up(address))
+        vocab, _, _ = kv_shape(f"127.0.0.1:{PORTS['decode']}")
+        wl = make_workload("w1", vocab)
+        for r in range(args.rounds):
+            for api in (("grpc", "http") if r % 2 == 0 else ("http", "grpc")):
+                c = args.concurrency[-1]
+                res = asyncio.run(run_load(address, wl.prompts, wl.output_len, c) if api == "grpc"
+                                  else run_load_http(base, wl.prompts, wl.output_len, c))
+                got[api].append(res.tokens / res.seconds)
+                print(json.dumps({"api": api, "concurrency": c, **summary(api, c, res)})
+                      if args.json else _line(summary(api, c, res)), flush=True)
+    finally:
+        stop_all(procs)
+    g, h = statistics.mean(got["grpc"]), statistics.mean(got["http"])
+    print(f"HTTP / gRPC throughput at concurrency {args.concurrency[-1]}: {h:.1f} / {g:.1f} "
+          f"tok/s = {h / g:.3f}", file=sys.stderr)
 
 
 def kv_shape(worker: str) -> tuple[int, int, int]:
@@ -167,7 +240,12 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"])
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare-apis", action="store_true",
+                    help="W1 through one router over gRPC and HTTP, alternating (caching off)")
     args = ap.parse_args()
+    if args.compare_apis:
+        compare_apis(args)
+        return
     rows = []
     for _ in range(args.rounds):
         for mode in args.modes:

@@ -246,7 +246,9 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             num_load_failures=loader.num_failures if loader else 0,
             num_leases_expired=s.leases.num_expired,
-            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits)
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_generation_tokens=s.num_generation_tokens)
 
     # ---- prefix cache ---------------------------------------------------------------
 

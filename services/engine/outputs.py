@@ -65,6 +65,8 @@ class EngineStats:
     num_leases_expired: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found cached
+    num_prompt_tokens: int = 0  # prompt tokens computed here, since start
+    num_generation_tokens: int = 0  # tokens sampled here, since start
 
     @property
     def idle(self) -> bool:

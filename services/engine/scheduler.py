@@ -104,6 +104,8 @@ class Scheduler:
         self.load_failure_policy = load_failure_policy
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
+        self.num_prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
+        self.num_generation_tokens = 0  # tokens sampled
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -266,10 +268,14 @@ class Scheduler:
         freed, or held under a lease for PREFILLED)."""
         got_token = []
         for req, n in out.scheduled:
+            self.num_prompt_tokens += max(0, min(req.num_computed_tokens + n,
+                                                 req.num_prompt_tokens)
+                                          - req.num_computed_tokens)
             req.num_computed_tokens += n
             s = sampled.get(req.request_id)
             if s is None:
                 continue  # a prefill chunk that has not reached the end yet
+            self.num_generation_tokens += 1
             req.token_ids.append(s.token_id)
             if req.params.logprobs is not None:
                 req.logprobs.append(s.logprobs or {})

@@ -23,10 +23,14 @@ def spawn(role: str, address: str, flags: list[str], **popen) -> subprocess.Pope
     return subprocess.Popen(serve_command(role, address, *flags), **popen)
 
 
-def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Block until `address` answers SERVING, or raise if the process died or time ran out."""
+def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Block until `address` answers SERVING, or raise if the process died or time ran out
+    (`credentials`: TLS to it)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, credentials) if credentials is not None
+               else grpc.insecure_channel(address))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -29,6 +29,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer.base import IncompatibleLayout
+from services.serving.config import DRAIN_GRACE_S
 from services.serving.errors import ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 DRAIN_POLL_S = 0.05
-DRAIN_GRACE_S = 30.0  # on SIGTERM, how long in-flight work may take (every service)
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
                         health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -51,6 +51,8 @@ class Lifecycle:
         self.inflight = 0  # work calls in flight
         self.health = HealthServicer()
         self.names: list[str] = []  # the service names health advertises
+        # (method, metadata) -> why the caller may not call it, or None (API keys)
+        self.authorize: Callable[[str, tuple], str | None] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining)."""
@@ -93,6 +95,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         @asynccontextmanager
         async def guarded(context):
+            if state.authorize is not None:
+                refused = state.authorize(method, context.invocation_metadata())
+                if refused:
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, refused)
             if work and state.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"draining: this service takes no new {method} calls")
@@ -147,13 +153,16 @@ async def run_server(address: str, register: Callable[[grpc.aio.Server], list[st
                      idle: Callable[[], bool] | None = None,
                      on_stop: Callable[[], Awaitable[None]] | None = None,
                      grace_s: float = DRAIN_GRACE_S, serving_at_start: bool = True,
-                     on_start: Callable[[], Awaitable[None]] | None = None) -> None:
+                     on_start: Callable[[], Awaitable[None]] | None = None,
+                     credentials: grpc.ServerCredentials | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain (above). `register` adds the servicers and
     returns their full service names, which health and reflection advertise; `on_start`
     runs once the server listens."""
     state = lifecycle or Lifecycle()
     server = make_server(register, state)
-    if server.add_insecure_port(address) == 0:
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
+    if port == 0:
         raise RuntimeError(f"cannot listen on {address}")
     await server.start()
     await state.set_serving(serving_at_start)

@@ -25,6 +25,7 @@ class Tokenizer:
                 "`python -m services.engine.default_model`, to save it")
         self._tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
         self.has_chat_template = bool(self._tok.chat_template)
+        self._texts: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -35,6 +36,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (OpenAI's logprobs show them)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tok.decode([token_id])
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The messages through the model's chat template, ending with the assistant's

@@ -6,18 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
-from services.serving.server import DRAIN_GRACE_S
+from services.serving.config import ServiceConfig
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    address: str = "0.0.0.0:50061"
+    service: ServiceConfig = field(default_factory=lambda: ServiceConfig("0.0.0.0:50061"))
     engine_id: str = ""  # unique per process start: the CLI adds a random suffix
     kv_transport: str | None = None  # "nixl" or "grpc"; the CLI picks NIXL when it loads
     max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
     threads: int | None = None  # torch intra-op threads; default torch's choice
-    drain_grace: float = DRAIN_GRACE_S
     inject_kv_failure: str | None = None  # test hook: every KV pull fails with this
 
     def __post_init__(self) -> None:

@@ -13,9 +13,12 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, ReceiverFactory
+from services.serving import tracing
+from services.serving.security import Security
 from services.serving.server import Lifecycle, method_name, run_server, service_name
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.worker_service import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -31,18 +34,24 @@ def make_engine(config: EngineConfig, threads: int | None,
 
 
 def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
-               add_servicer: Callable[[grpc.aio.Server, AsyncEngine], None],
+               add_servicer: Callable[[grpc.aio.Server, AsyncEngine, WorkerMetrics], None],
                closers=()) -> None:
     """Serve `engine` in `role` until SIGTERM, then drain: the role's servicer (added by
-    `add_servicer(server, aengine)`, `service` in worker.proto, whose `Prefill` or `Decode`
-    is the new work a drain refuses) and WorkerService. The drain ends when the engine
-    holds nothing: no request, and (prefill) no lease a decode worker has yet to pull."""
+    `add_servicer(server, aengine, metrics)`, `service` in worker.proto, whose `Prefill`
+    or `Decode` is the new work a drain refuses) and WorkerService. The drain ends when
+    the engine holds nothing: no request, and (prefill) no lease a decode worker has yet
+    to pull. Metrics on --metrics-port, traces to --otlp-traces-endpoint."""
+    svc = config.service
+    tracing.setup(f"baton-{role}", svc.otlp_traces_endpoint)
     aengine = AsyncEngine(engine, config.max_waiting)
+    metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
+                            engine.kv_layout.block_bytes)
+    metrics.serve(svc.metrics_port)
     work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
     lifecycle = Lifecycle((method_name(wk, service, work),))
 
     def register(server: grpc.aio.Server) -> list[str]:
-        add_servicer(server, aengine)
+        add_servicer(server, aengine, metrics)
         wk_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(aengine, config.engine_id, role, lifecycle), server)
         return [service_name(wk, service), service_name(wk, "WorkerService")]
@@ -51,9 +60,11 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
         aengine.stop()
         for close in closers:
             close()
+        tracing.shutdown()
 
     log.info("%s engine %s, KV transport %s, layout %s", role, config.engine_id,
              config.kv_transport, engine.kv_layout.fingerprint)
-    asyncio.run(run_server(config.address, register, lifecycle,
+    asyncio.run(run_server(svc.address, register, lifecycle,
                            idle=lambda: aengine.stats.idle, on_stop=stop,
-                           grace_s=config.drain_grace))
+                           grace_s=svc.drain_grace,
+                           credentials=Security.of(config).server_credentials(public=False)))

@@ -40,7 +40,8 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             num_load_failures=s.num_load_failures, num_leases_expired=s.num_leases_expired,
             draining=self.lifecycle.draining, num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits)
+            prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
+            num_generation_tokens=s.num_generation_tokens)
 
     async def ReadKvBlocks(self, request, context):
         """The blocks held under lease `lease_id` of `request_id`, checked before the

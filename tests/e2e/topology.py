@@ -31,29 +31,44 @@ class Topology:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
-        self.pending: list[tuple[str, subprocess.Popen]] = []  # started, not yet healthy
+        self.pending: list[tuple] = []  # (address, process, credentials): not yet healthy
+        self.http: dict[str, str] = {}  # a router's gRPC address -> its HTTP address
+        self.metrics: dict[str, str] = {}  # a worker's gRPC address -> its metrics address
 
-    def start(self, role: str, *flags: str, wait: bool = True, port: int | None = None) -> str:
+    def start(self, role: str, *flags: str, wait: bool = True, port: int | None = None,
+              healthy: bool = True, credentials=None, env: dict | None = None) -> str:
+        """Start a service; wait until it is healthy (with `healthy` False: never wait for
+        it, it is not meant to become SERVING; `credentials`: TLS to reach it)."""
         port = port or free_port()
         address = f"127.0.0.1:{port}"
+        if role in ("router", "colocated") and "--http-port" not in flags:
+            http = free_port()
+            flags = (*flags, "--http-port", str(http))
+            self.http[address] = f"127.0.0.1:{http}"
         log = open(self.log_dir / f"{role}-{port}.log", "w")
-        env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", **(env or {}))
         proc = subprocess.Popen(serve_command(role, address, *flags), cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
-        self.pending.append((address, proc))
+        if healthy:
+            self.pending.append((address, proc, credentials))
         if wait:
             self.wait()
         return address
 
     def wait(self) -> None:
         """Until every service started so far answers health checks."""
-        for address, proc in self.pending:
-            wait_healthy(address, proc, timeout=240)
+        for address, proc, credentials in self.pending:
+            wait_healthy(address, proc, timeout=240, credentials=credentials)
         self.pending.clear()
 
-    def worker(self, role: str, *flags: str, port: int | None = None, wait: bool = True) -> str:
-        return self.start(role, *WORKER_FLAGS, *flags, port=port, wait=wait)
+    def worker(self, role: str, *flags: str, port: int | None = None, wait: bool = True,
+               **kw) -> str:
+        metrics = free_port()
+        address = self.start(role, *WORKER_FLAGS, *flags, "--metrics-port", str(metrics),
+                             port=port, wait=wait, **kw)
+        self.metrics[address] = f"127.0.0.1:{metrics}"
+        return address
 
     def kill(self, address: str, sig: int = signal.SIGKILL) -> subprocess.Popen | None:
         """Signal the process serving `address`: SIGKILL (no goodbye to its peers) waits

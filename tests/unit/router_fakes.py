@@ -23,7 +23,7 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from router.clients import GrpcWorkerClient
 from router.config import RouterConfig
-from router.server import build
+from router.server import RouterServicer, build
 from services.serving.errors import retry_metadata
 from services.serving.server import Lifecycle, make_server, method_name, service_name
 
@@ -220,14 +220,14 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     router_kw.setdefault("worker_timeout", 0.5)
     config = RouterConfig(prefill=tuple(w.address for w in workers[:prefills]),
                           decode=tuple(w.address for w in workers[prefills:]),
-                          model=str(tokenizer_model), **router_kw)
+                          model=str(tokenizer_model), http_port=0, **router_kw)
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
-    servicer, registry = build(config, lifecycle,
-                               [GrpcWorkerClient(a) for a in config.prefill],
-                               [GrpcWorkerClient(a) for a in config.decode])
+    router = build(config, lifecycle, [GrpcWorkerClient(a) for a in config.prefill],
+                   [GrpcWorkerClient(a) for a in config.decode])
+    registry = router.registry
 
     def register(server):
-        gen_grpc.add_GenerationServicer_to_server(servicer, server)
+        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router), server)
         return [service_name(gen, "Generation")]
 
     server = make_server(register, lifecycle)
@@ -244,7 +244,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
             w.thaw()
         await channel.close()
         await registry.close()
-        servicer.intake.close()
+        router.intake.close()
         await server.stop(0)
         for s in servers:
             await s.stop(0)

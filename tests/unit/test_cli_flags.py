@@ -15,6 +15,7 @@ from cli.flags import FLAGS, argv_for, values
 from cli.main import parse
 from router.config import RouterConfig
 from services.engine.config import EngineConfig
+from services.serving.config import ServiceConfig
 from services.worker.config import WorkerConfig
 from tests.e2e.topology import ROOT
 
@@ -27,7 +28,8 @@ def _configs(role: str, *argv: str, env: dict | None = None, monkeypatch=None):
 
 
 def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
-    configs = {"engine": EngineConfig(), "worker": WorkerConfig(), "router": RouterConfig()}
+    configs = {"engine": EngineConfig(), "worker": WorkerConfig(), "router": RouterConfig(),
+               "service": ServiceConfig()}
     for flag in FLAGS:
         assert flag.env == "BATON_" + flag.name.upper().replace("-", "_")
         for config, field in flag.fills:  # one default, wherever the flag lands

@@ -1,0 +1,273 @@
+"""The router's one path for a request, whichever API carried it (gRPC `Generate`, or
+the OpenAI-compatible HTTP routes), as it reads:
+
+    admit                   at most max_inflight at once, else RESOURCE_EXHAUSTED
+    validate and tokenize   (intake.py: every field checked, tokenizing off the loop)
+    prefill                 the least loaded prefill worker that answers: the first token
+                            and a KV handle; a failed worker's prompt goes to the next
+    decode with migration   a decode worker paired with that prefill engine pulls the KV
+                            and streams the rest; if it dies, another one recomputes the
+                            prompt and the tokens streamed so far and goes on
+
+The caller's deadline (or --request-timeout) goes on to each call; a caller that leaves
+closes the stream, which cancels the call in flight, which aborts the request on that
+worker and frees its blocks. Who releases a prefill lease is decided in one place
+(lease.py). Every request is one span (and its calls child spans), and feeds the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from router.clients import WorkerError
+from router.intake import Intake, Job
+from router.lease import PrefillLease
+from router.metrics import RouterMetrics
+from router.registry import Registry
+from services.serving import tracing
+from services.serving.errors import Overloaded, Unavailable
+from services.serving.server import status_of
+
+log = logging.getLogger(__name__)
+FINISHED = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
+            gen.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class Caller:
+    """What the router needs to know of whoever called: how long it may take, and the
+    trace it belongs to."""
+
+    time_remaining: Callable[[], float | None] = lambda: None
+    trace_context: Context | None = None
+    attributes: dict = field(default_factory=dict)  # for its span (the OpenAI `user`)
+
+
+class Reply:
+    """Builds a request's GenerateResponses from the workers' deltas, and keeps what a
+    migration needs: every token the client has."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.t0 = time.monotonic()
+        self.streamed: list[int] = []
+        self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
+        self.timings = gen.Timings()
+
+    def first_token(self, prefill: wk.PrefillResponse) -> gen.GenerateResponse:
+        self.usage.cached_tokens = prefill.cached_tokens
+        self.timings.MergeFrom(prefill.timings)
+        return self.delta(prefill.delta)
+
+    def decoded(self, msg: wk.DecodeResponse) -> gen.GenerateResponse:
+        if msg.HasField("timings"):  # the first reply of a decode worker
+            self.timings.kv_transfer_s = msg.timings.kv_transfer_s
+            if not self.streamed:  # it computed the prompt itself
+                self.timings.queue_s = msg.timings.queue_s
+                self.timings.prefill_s = msg.timings.prefill_s
+                self.usage.cached_tokens = msg.cached_tokens
+        return self.delta(msg.delta)
+
+    def delta(self, delta: gen.TokenDelta) -> gen.GenerateResponse:
+        out = gen.GenerateResponse(request_id=self.job.client_id, delta=delta)
+        if not self.streamed and delta.token_ids:
+            self.timings.first_token_s = time.monotonic() - self.t0
+            out.timings.CopyFrom(self.timings)
+        self.streamed += delta.token_ids
+        if delta.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+            self.usage.completion_tokens = len(self.streamed)
+            out.usage.CopyFrom(self.usage)
+            out.timings.CopyFrom(self.timings)
+        return out
+
+    def decode_request(self, lease: PrefillLease) -> wk.DecodeRequest:
+        r = self.job.request
+        dreq = wk.DecodeRequest(request_id=self.job.request_id,
+                                prompt_token_ids=self.job.prompt_ids, sampling=r.sampling,
+                                priority=r.priority, cache_salt=r.cache_salt)
+        if lease.live:
+            dreq.first_token_id = self.streamed[0]
+            dreq.handle.CopyFrom(lease.handle)
+            dreq.prefill_address = lease.worker.address
+        else:
+            dreq.output_token_ids.extend(self.streamed)
+        return dreq
+
+
+class Router:
+    def __init__(self, registry: Registry, intake: Intake, max_inflight: int = 256,
+                 request_timeout: float = 600.0, metrics: RouterMetrics | None = None):
+        self.registry = registry
+        self.intake = intake
+        self.request_timeout = request_timeout
+        self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
+        self.inflight = 0
+        self.metrics = metrics or RouterMetrics()
+
+    def model_info(self) -> gen.ModelInfo:
+        info = self.registry.model_info()
+        if info is None:
+            raise Unavailable("no worker has answered yet")
+        return info
+
+    async def tokenize(self, request) -> list[int]:
+        return await self.intake.prompt_ids(request, self.registry.model_info())
+
+    async def generate(self, request: gen.GenerateRequest, caller: Caller
+                       ) -> AsyncIterator[gen.GenerateResponse]:
+        m = self.metrics
+        if self.inflight >= self.max_inflight:
+            m.labels(m.refused).inc()
+            raise Overloaded(f"router at capacity: {self.inflight} requests in flight "
+                             f"(limit {self.max_inflight})")
+        self.inflight += 1
+        m.labels(m.inflight).set(self.inflight)
+        t0 = last = time.monotonic()
+        outcome = None
+        span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
+                                  **caller.attributes)
+        try:
+            job = await self.intake.job(request, self.registry.model_info())
+            span.set_attribute("baton.request_id", job.request_id)
+            span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
+            m.labels(m.prompt_tokens).inc(len(job.prompt_ids))
+            # aclosing: a caller that leaves closes the inner generator now.
+            async with aclosing(self._generate(job, caller, ctx)) as replies:
+                async for reply in replies:
+                    now, n = time.monotonic(), len(reply.delta.token_ids)
+                    if n and last == t0:
+                        m.labels(m.ttft).observe(now - t0)
+                        m.labels(m.queue).observe(reply.timings.queue_s)
+                    elif n:
+                        for _ in range(n):
+                            m.labels(m.itl).observe((now - last) / n)
+                    if n:
+                        last = now
+                        m.labels(m.generation_tokens).inc(n)
+                    if reply.timings.kv_transfer_s:
+                        m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
+                    if reply.delta.finish_reason:
+                        outcome = FINISHED.get(reply.delta.finish_reason, "abort")
+                    yield reply
+        except Exception as e:
+            outcome = status_of(e)[0].name
+            span.set_status(trace.StatusCode.ERROR, str(e))
+            raise
+        finally:
+            self.inflight -= 1
+            m.labels(m.inflight).set(self.inflight)
+            if outcome in FINISHED.values():
+                m.labels(m.success, finished_reason=outcome).inc()
+                m.labels(m.e2e).observe(time.monotonic() - t0)
+            else:  # an error, or the caller left (CANCELLED)
+                m.labels(m.failure, code=outcome or "CANCELLED").inc()
+            span.end()
+
+    async def _generate(self, job: Job, caller: Caller, ctx: Context):
+        reply = Reply(job)
+        first, lease = await self._prefill(job, caller, ctx)
+        async with lease:
+            if first is not None:
+                yield reply.first_token(first)
+                if first.delta.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                    return
+            async with aclosing(self._decode(reply, lease, caller, ctx)) as replies:
+                async for out in replies:
+                    yield out
+
+    async def _prefill(self, job: Job, caller: Caller, ctx: Context
+                       ) -> tuple[wk.PrefillResponse | None, PrefillLease]:
+        """The first token and the lease, from the least loaded prefill worker that
+        answers. Prefill has no side effects, so a failed worker's prompt goes to the
+        next. With none left, (None, an empty lease): the decode worker prefills."""
+        r = job.request
+        preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
+                                 sampling=r.sampling, priority=r.priority,
+                                 cache_salt=r.cache_salt)
+        overloaded, m = None, self.metrics
+        for worker in self.registry.prefills():
+            if worker.state != "up":  # went down (or draining) since the list was made
+                continue
+            worker.routed += 1
+            lease = PrefillLease(worker, job.request_id)
+            span, call_ctx = tracing.child("prefill", ctx, trace.SpanKind.CLIENT,
+                                           **{"baton.worker": worker.address})
+            try:
+                first = await worker.client.prefill(preq, timeout=self._left(caller),
+                                                    metadata=tracing.inject(call_ctx))
+            except WorkerError as e:
+                span.set_status(trace.StatusCode.ERROR, e.details)
+                lease.give_up()
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = e  # another prefill worker may have room
+                # ABORTED here is the prefill engine failing: no side effects, go on.
+                elif not (e.worker_down or e.code == grpc.StatusCode.ABORTED):
+                    raise e.as_service_error(f"prefill worker {worker.address}") from None
+                log.warning("prefill worker %s failed (%s) on %s; trying the next",
+                            worker.address, e.code.name, job.request_id)
+                m.labels(m.retries).inc()
+                continue
+            except BaseException:  # the client left while it prefilled
+                lease.give_up()
+                raise
+            finally:
+                span.end()
+            lease.granted(first.handle if first.HasField("handle") else None)
+            return first, lease
+        if overloaded is not None:  # back-pressure, not a reason to prefill on decode
+            raise overloaded.as_service_error("every prefill worker is full")
+        return None, PrefillLease(None, job.request_id)
+
+    async def _decode(self, reply: Reply, lease: PrefillLease, caller: Caller, ctx: Context):
+        """The rest of the stream, from a decode worker; if it dies mid-stream, another
+        one recomputes the prompt and `reply.streamed` and goes on: no gap, no repeat."""
+        exclude: set[str] = set()
+        overloaded, m = None, self.metrics
+        while True:
+            try:
+                worker, paired = self.registry.pick_decode(lease.engine_id, exclude)
+            except LookupError as e:
+                if overloaded is not None:
+                    raise overloaded.as_service_error("every decode worker is full") from None
+                raise Unavailable(str(e)) from None
+            if lease.live and not paired:
+                log.warning("no decode worker can pull from prefill engine %s; %s "
+                            "recomputes the prompt", lease.engine_id, worker.address)
+                lease.give_up()
+            span, call_ctx = tracing.child("decode", ctx, trace.SpanKind.CLIENT,
+                                           **{"baton.worker": worker.address})
+            try:
+                async for msg in worker.client.decode(reply.decode_request(lease),
+                                                      timeout=self._left(caller),
+                                                      metadata=tracing.inject(call_ctx)):
+                    lease.taken_over()
+                    yield reply.decoded(msg)
+                return
+            except WorkerError as e:
+                span.set_status(trace.StatusCode.ERROR, e.details)
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = e
+                elif not e.worker_down:
+                    raise e.as_service_error(f"decode worker {worker.address}") from None
+                log.warning("decode worker %s failed (%s); moving %s on after %d tokens",
+                            worker.address, e.code.name, reply.job.request_id,
+                            len(reply.streamed))
+                m.labels(m.migrations).inc()
+                exclude.add(worker.address)
+            finally:
+                span.end()
+
+    def _left(self, caller: Caller) -> float:
+        """Every hop has a deadline: the caller's, or --request-timeout if it set none."""
+        left = caller.time_remaining()
+        return self.request_timeout if left is None else min(left, self.request_timeout)

@@ -1,0 +1,55 @@
+"""The router's Prometheus metrics. Names and meanings follow vLLM's (`vllm:` becomes
+`baton:`), so dashboards and autoscalers written for vLLM carry over; what only a
+disaggregated system has (retries, migrations, KV transfer) is added beside them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.serving.metrics import (
+    ITL_BUCKETS,
+    LATENCY_BUCKETS,
+    TRANSFER_BUCKETS,
+    TTFT_BUCKETS,
+)
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+        self.model = model_name
+        self.success = Counter("baton:request_success", "Requests that finished, by reason",
+                               label + ["finished_reason"], registry=r)
+        self.failure = Counter("baton:request_failure",
+                               "Requests that ended with an error, by gRPC status code",
+                               label + ["code"], registry=r)
+        self.ttft = Histogram("baton:time_to_first_token_seconds", "Time to first token",
+                              label, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("baton:inter_token_latency_seconds", "Time between tokens",
+                             label, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("baton:e2e_request_latency_seconds", "Request latency",
+                             label, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("baton:request_queue_time_seconds",
+                               "Time waiting in the first worker's queue", label,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer = Histogram("baton:kv_transfer_seconds",
+                                  "Decode worker's pull of the prompt KV", label,
+                                  buckets=TRANSFER_BUCKETS, registry=r)
+        self.inflight = Gauge("baton:num_requests_in_flight", "Requests in the router",
+                              label, registry=r)
+        self.refused = Counter("baton:admission_refusals",
+                               "Requests refused at once (RESOURCE_EXHAUSTED)", label,
+                               registry=r)
+        self.retries = Counter("baton:prefill_retries",
+                               "Prompts moved to another prefill worker", label, registry=r)
+        self.migrations = Counter("baton:decode_migrations",
+                                  "Streams moved to another decode worker", label,
+                                  registry=r)
+        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens of requests",
+                                     label, registry=r)
+        self.generation_tokens = Counter("baton:generation_tokens",
+                                         "Tokens streamed to clients", label, registry=r)
+
+    def labels(self, metric, **kw):
+        return metric.labels(model_name=self.model, **kw)

@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP API on the router, over the same request path as gRPC
+`Generate` (so the same request gives the same tokens):
+
+    POST /v1/chat/completions, /v1/completions   streaming (SSE) or whole
+    GET  /v1/models                              the served model
+    GET  /health                                 200 when the router can serve, else 503
+    GET  /metrics                                Prometheus
+
+Errors come in OpenAI's JSON shape with the right HTTP status: 400 naming the field, 401
+without a valid key, 404 for another model, 429 with Retry-After, 503, 504. A client
+that disconnects cancels its request everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.core import Caller, Router
+from router.openai.protocol import ChatRequest, CompletionRequest
+from router.openai.render import Choice, Renderer, error_body, param_of
+from router.openai.runs import Run
+from services.serving import tracing
+from services.serving.errors import InvalidArgument, ServiceError
+from services.serving.security import Security
+from services.serving.server import Lifecycle, status_of
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict, headers: dict | None = None):
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+def api_error(e: Exception, chat: bool = False) -> ApiError:
+    code, message = status_of(e)
+    param = param_of(message, chat) if code.name == "INVALID_ARGUMENT" else None
+    status, body = error_body(code, message, param)
+    headers = {}
+    if status == 429:
+        headers["Retry-After"] = str(math.ceil(getattr(e, "retry_after_s", None) or 1))
+    return ApiError(status, body, headers)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Before anything is parsed or queued: the size of the body, the API key, the
+    drain. Counts the requests in flight for the drain. (Plain ASGI: it wraps streams
+    without buffering them.)"""
+
+    def __init__(self, app, security: Security, lifecycle: Lifecycle):
+        self.app, self.security, self.lifecycle = app, security, lifecycle
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        refusal = None
+        if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            refusal = (413, error_body(InvalidArgument.code,
+                                       f"the body is over {MAX_BODY_BYTES} bytes")[1])
+        elif not self.security.key_ok(headers.get("authorization")):
+            refusal = error_body(grpc.StatusCode.UNAUTHENTICATED,
+                                 "a valid API key is required: 'Authorization: Bearer <key>'")
+        elif self.lifecycle.draining and scope["method"] == "POST":
+            refusal = error_body(grpc.StatusCode.UNAVAILABLE, "draining: no new requests")
+        if refusal is not None:
+            return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
+        size = 0
+
+        async def counted():
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > MAX_BODY_BYTES:
+                raise BodyTooLarge
+            return message
+
+        self.lifecycle.inflight += 1
+        try:
+            await self.app(scope, counted, send)
+        except BodyTooLarge:
+            body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} bytes")
+            await JSONResponse(body[1], status_code=413)(scope, receive, send)
+        finally:
+            self.lifecycle.inflight -= 1
+
+
+def make_app(router: Router, security: Security, lifecycle: Lifecycle,
+             served_name: str | None = None, registries=()) -> FastAPI:
+    app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, security=security, lifecycle=lifecycle)
+
+    def names() -> set[str]:
+        info = router.model_info()
+        return {served_name or info.model.removesuffix(".gguf"), info.model}
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        status, body = error_body(InvalidArgument.code, f"{param}: {first.get('msg')}",
+                                  param)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        ready, why = router.registry.readiness()
+        return JSONResponse({"status": "ok" if ready else "unavailable", "detail": why},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = b"".join(generate_latest(r) for r in (router.metrics.registry, *registries))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            info = router.model_info()
+        except ServiceError as e:
+            raise api_error(e) from None
+        name = served_name or info.model.removesuffix(".gguf")
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": 0, "owned_by": "baton",
+            "root": info.model, "max_model_len": info.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await complete(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await complete(body, request, chat=False)
+
+    async def complete(body, request: Request, chat: bool):
+        try:
+            info = router.model_info()
+            if body.model not in names():
+                status, err = error_body(grpc.StatusCode.NOT_FOUND,
+                                         f"The model `{body.model}` does not exist.",
+                                         "model", "model_not_found")
+                raise ApiError(status, err)
+            requests = body.requests(info.max_model_len)
+        except ServiceError as e:
+            raise api_error(e, chat) from None
+        want_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
+        renderer = Renderer(chat, body.model, router.intake.tokenizer.token_text)
+        caller = Caller(trace_context=tracing.extract(request.headers),
+                        attributes={"baton.user": body.user} if body.user else {})
+        run = Run(router, requests, body.n, caller)
+        run.start()
+        events = run.events().__aiter__()
+        try:
+            first = await events.__anext__()  # errors before streaming are HTTP errors
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:  # noqa: BLE001
+            await run.close()
+            raise api_error(e, chat) from None
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(run, events, first, renderer, len(requests), body.n, want_top, include),
+                media_type="text/event-stream")
+        return await _whole(run, events, first, renderer, len(requests), body.n, want_top,
+                            request, chat)
+
+    return app
+
+
+async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int,
+                 want_top: int, request: Request, chat: bool):
+    choices = [Choice(i) for i in range(count)]
+
+    async def collect():
+        if first is not None:
+            choices[first[0]].add(first[1])
+        async for i, reply in events:
+            choices[i].add(reply)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: end every choice everywhere
+            work.cancel()
+            return Response(status_code=499)
+        work.result()
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise api_error(e, chat) from None
+    finally:
+        watch.cancel()
+        await run.close()
+    return JSONResponse(renderer.whole(choices, n, want_top))
+
+
+async def _sse(run: Run, events, first, renderer: Renderer, count: int, n: int,
+               want_top: int, include_usage: bool):
+    choices = [Choice(i) for i in range(count)]
+    started: set[int] = set()
+
+    def chunk(i: int, reply) -> str:
+        choices[i].add(reply)
+        body = renderer.chunk(i, reply, i not in started, want_top, include_usage)
+        started.add(i)
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if first is not None:
+            yield chunk(*first)
+        async for i, reply in events:
+            yield chunk(i, reply)
+        if include_usage:
+            yield f"data: {json.dumps(renderer.usage_chunk(choices, n))}\n\n"
+    except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
+        yield f"data: {json.dumps(api_error(e, renderer.chat).body)}\n\n"
+    finally:
+        await run.close()
+    yield "data: [DONE]\n\n"

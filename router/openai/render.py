@@ -1,0 +1,155 @@
+"""Generation's responses as OpenAI's JSON: whole completions, stream chunks, logprobs in
+each endpoint's own shape, usage with cached prompt tokens, and errors."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.v1 import generation_pb2 as gen
+
+FINISH = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
+          gen.FINISH_REASON_ABORT: "abort"}
+# A status code as an HTTP status and OpenAI's error type.
+HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+        grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+        grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+        grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+        grpc.StatusCode.CANCELLED: (499, "cancelled"),
+        grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+        grpc.StatusCode.ABORTED: (503, "service_unavailable_error"),
+        grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
+
+
+def error_body(code: grpc.StatusCode, message: str, param: str | None = None,
+               err_code: str | None = None) -> tuple[int, dict]:
+    status, kind = HTTP.get(code, (500, "server_error"))
+    return status, {"error": {"message": message, "type": kind, "param": param,
+                              "code": err_code}}
+
+
+def param_of(message: str, chat: bool) -> str | None:
+    """The request field an INVALID_ARGUMENT message names, in OpenAI's terms."""
+    head, _, rest = message.partition(":")
+    if head == "sampling":
+        return rest.split()[0] if rest.split() else None
+    if head.startswith("chat.messages"):
+        return head[len("chat."):]
+    if head in ("text", "token_ids", "prompt"):
+        return "messages" if chat else "prompt"
+    return head if head and " " not in head else None
+
+
+@dataclass
+class Choice:
+    """What one choice has streamed, for the whole response and for usage."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[gen.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, reply: gen.GenerateResponse) -> None:
+        d = reply.delta
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        if d.finish_reason:
+            self.finish_reason = FINISH.get(d.finish_reason, "abort")
+            which = d.WhichOneof("stop_reason")
+            self.stop_reason = getattr(d, which) if which else None
+        if reply.HasField("usage"):
+            self.prompt_tokens = reply.usage.prompt_tokens
+            self.cached_tokens = reply.usage.cached_tokens
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """Each prompt counted once though its n choices each ran it (sharing its cache)."""
+    prompts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in prompts)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)}}
+
+
+class Renderer:
+    """One response's ids and shapes: `chat` or completions."""
+
+    def __init__(self, chat: bool, model: str, token_text):
+        self.chat = chat
+        self.model = model
+        self.token_text = token_text  # token id -> its text
+        self.id = ("chatcmpl-" if chat else "cmpl-") + format(time.time_ns(), "x")
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def logprobs(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
+                 want_top: int) -> dict | None:
+        if not entries:
+            return None
+        rows = []
+        for t, lp in zip(token_ids, entries, strict=False):
+            by_id = {e.token_id: e.logprob for e in lp.entries}
+            top = sorted(by_id.items(), key=lambda kv: -kv[1])[:want_top]
+            rows.append((t, by_id.get(t, 0.0), top))
+        if self.chat:
+            return {"content": [
+                {"token": self.token_text(t), "logprob": lp,
+                 "bytes": list(self.token_text(t).encode()),
+                 "top_logprobs": [{"token": self.token_text(i), "logprob": v,
+                                   "bytes": list(self.token_text(i).encode())}
+                                  for i, v in top]} for t, lp, top in rows]}
+        return {"tokens": [self.token_text(t) for t, _, _ in rows],
+                "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in rows],
+                "text_offset": []}
+
+    def whole(self, choices: list[Choice], n: int, want_top: int) -> dict:
+        body = self._head(chunk=False)
+        body["choices"] = [self._choice(c, want_top) for c in choices]
+        body["usage"] = usage(choices, n)
+        return body
+
+    def _choice(self, c: Choice, want_top: int) -> dict:
+        out = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+               "logprobs": self.logprobs(c.logprobs, c.token_ids, want_top)}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": c.text}
+        else:
+            out["text"] = c.text
+        return out
+
+    def chunk(self, index: int, reply: gen.GenerateResponse, first: bool, want_top: int,
+              with_usage: bool) -> dict:
+        d = reply.delta
+        body = self._head(chunk=True)
+        choice = {"index": index, "logprobs": self.logprobs(list(d.logprobs),
+                                                           list(d.token_ids), want_top),
+                  "finish_reason": FINISH.get(d.finish_reason) if d.finish_reason else None}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": d.text} if first else {
+                "content": d.text}
+        else:
+            choice["text"] = d.text
+        body["choices"] = [choice]
+        if with_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, choices: list[Choice], n: int) -> dict:
+        body = self._head(chunk=True)
+        body["choices"] = []
+        body["usage"] = usage(choices, n)
+        return body

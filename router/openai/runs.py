@@ -1,0 +1,70 @@
+"""The choices of one OpenAI request, running side by side over the router's one path.
+
+For each prompt, choice 0 starts first; once it has its first token its prompt's KV is
+in the prefix cache, and the prompt's other n-1 choices start and hit it: the shared
+prompt is computed once. Events come out in arrival order; the first error ends them
+all. Closing the run (the client left) closes every choice's stream, which cancels the
+worker calls and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+from baton.v1 import generation_pb2 as gen
+from router.core import Caller, Router
+
+
+class Run:
+    def __init__(self, router: Router, requests: list[gen.GenerateRequest], n: int,
+                 caller: Caller):
+        self.router, self.requests, self.n, self.caller = router, requests, n, caller
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(requests)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for lead in range(0, len(self.requests), self.n):
+            first = asyncio.Event()
+            self._tasks.append(loop.create_task(self._pump(lead, first)))
+            if self.n > 1:
+                self._tasks.append(loop.create_task(self._follow(lead, first)))
+
+    async def _follow(self, lead: int, first: asyncio.Event) -> None:
+        await first.wait()
+        loop = asyncio.get_running_loop()
+        for i in range(lead + 1, lead + self.n):
+            self._tasks.append(loop.create_task(self._pump(i, None)))
+
+    async def _pump(self, i: int, first: asyncio.Event | None) -> None:
+        try:
+            async with aclosing(self.router.generate(self.requests[i], self.caller)) as out:
+                async for reply in out:
+                    if first is not None:
+                        first.set()
+                    await self._events.put((i, reply, None))
+            await self._events.put((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await self._events.put((i, None, e))
+        finally:
+            if first is not None:
+                first.set()  # the others go on (and meet the same error, if any)
+
+    async def events(self):
+        """(choice index, reply) in arrival order, until every choice has ended; the
+        first error is raised."""
+        while self._open:
+            i, reply, error = await self._events.get()
+            if error is not None:
+                raise error
+            if reply is None:
+                self._open -= 1
+                continue
+            yield i, reply
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

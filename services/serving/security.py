@@ -1,0 +1,105 @@
+"""Who may call: API keys on the public API, TLS on every port, mutual TLS between the
+router and the workers.
+
+    public (router, colocated)   TLS with --tls-cert/--tls-key (no client certificate);
+                                 `Authorization: Bearer <key>` when --api-key is set,
+                                 on gRPC metadata and HTTP alike; else UNAUTHENTICATED /
+                                 401 and nothing is queued. Health and metrics stay open.
+    internal (workers)           with --tls-ca, a caller must show a certificate signed
+                                 by that CA; the router and the decode workers present
+                                 theirs (--tls-cert/--tls-key) when they call a worker.
+
+NIXL moves KV blocks outside gRPC, unencrypted: keep the workers' network private.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import grpc
+
+from services.serving.config import ServiceConfig
+from services.serving.server import CHANNEL_OPTIONS
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def load_keys(keys: Iterable[str], key_file: str | None) -> tuple[str, ...]:
+    """API keys from flags and from a file (one a line; blank lines and # comments)."""
+    found = [k for k in keys if k]
+    if key_file:
+        for line in Path(key_file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                found.append(line)
+    return tuple(found)
+
+
+class Security:
+    def __init__(self, service: ServiceConfig, api_keys: tuple[str, ...] = ()):
+        self.cert, self.key = _read(service.tls_cert), _read(service.tls_key)
+        self.ca = _read(service.tls_ca)
+        self.cert_file, self.key_file = service.tls_cert, service.tls_key
+        self.api_keys = api_keys
+
+    @staticmethod
+    def of(config) -> Security:
+        """From a RouterConfig or a WorkerConfig (the latter has no API keys)."""
+        keys = load_keys(getattr(config, "api_keys", ()), getattr(config, "api_key_file", None))
+        return Security(config.service, keys)
+
+    # ---- API keys ----------------------------------------------------------------------
+
+    def key_ok(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` value carries one of the keys (always, with none)."""
+        if not self.api_keys:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token.strip(), k) for k in self.api_keys)
+
+    def grpc_check(self, methods: Iterable[str]) -> Callable[[str, tuple], str | None]:
+        """For the interceptor: (method, metadata) -> why the call is refused, or None."""
+        guarded = set(methods)
+
+        def check(method: str, metadata) -> str | None:
+            if method not in guarded or not self.api_keys:
+                return None
+            value = next((v for k, v in metadata or () if k == "authorization"), None)
+            return None if self.key_ok(value) else (
+                "a valid API key is required: metadata 'authorization: Bearer <key>'")
+
+        return check
+
+    # ---- TLS ---------------------------------------------------------------------------
+
+    def server_credentials(self, public: bool) -> grpc.ServerCredentials | None:
+        if self.cert is None:
+            return None
+        mutual = self.ca is not None and not public
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca if mutual else None,
+            require_client_auth=mutual)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """For calls to a worker: verify it against the CA, and show our certificate."""
+        if self.ca is None:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        creds = self.channel_credentials()
+        if creds is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+    def channel(self, address: str) -> grpc.Channel:
+        creds = self.channel_credentials()
+        if creds is None:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
