@@ -54,6 +54,8 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
             aengine.stop()
 
         await run(router_config, router, lifecycle, register_more,
-                  idle=lambda: aengine.stats.idle, on_stop=stop, registries=[metrics.registry])
+                  idle=lambda: aengine.stats.idle, on_stop=stop, registries=[metrics.registry],
+                  guarded=[method_name(wk, "WorkerService", m)
+                           for m in ("GetStats", "ReadKvBlocks")])
 
     asyncio.run(main())

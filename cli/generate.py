@@ -11,6 +11,7 @@ import grpc
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from services.serving.convert import FINISH_NAME, sampling_message
+from services.serving.security import client_credentials
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY"),
+                   help="sent as `authorization: Bearer <key>`")
+    p.add_argument("--tls-ca", help="TLS: the CA that signed the router's certificate")
 
 
 def request_of(args) -> gen.GenerateRequest:
@@ -38,10 +42,15 @@ def request_of(args) -> gen.GenerateRequest:
 
 
 def generate(args) -> None:
-    with grpc.insecure_channel(args.address) as channel:
+    creds = client_credentials(args.tls_ca)
+    channel = (grpc.secure_channel(args.address, creds) if creds is not None
+               else grpc.insecure_channel(args.address))
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    with channel:
         stub = gen_grpc.GenerationStub(channel)
         try:
-            for msg in stub.Generate(request_of(args), timeout=args.timeout):
+            for msg in stub.Generate(request_of(args), timeout=args.timeout,
+                                     metadata=metadata):
                 sys.stdout.write(msg.delta.text)
                 sys.stdout.flush()
                 if msg.delta.finish_reason:

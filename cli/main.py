@@ -111,6 +111,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     generate.add_parser(sub)
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     health.add_argument("address")
+    for name in ("ca", "cert", "key"):  # a worker with mutual TLS wants a certificate
+        health.add_argument(f"--tls-{name}", default=os.environ.get(f"BATON_TLS_{name.upper()}"))
     return parser.parse_args(argv), flags or up_flags
 
 
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         up.up(args, flags)
     elif args.command == "health":
         from services.serving.processes import is_serving
+        from services.serving.security import client_credentials
 
-        sys.exit(0 if is_serving(args.address) else 1)
+        creds = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        sys.exit(0 if is_serving(args.address, credentials=creds) else 1)
     else:
         generate.generate(args)
 

@@ -12,6 +12,7 @@ import time
 
 from cli.flags import Flag, add_flags, argv_for
 from services.serving.processes import spawn, stop_all, wait_healthy
+from services.serving.security import client_credentials
 
 
 def add_parser(sub, with_flags: bool) -> list[Flag]:
@@ -48,19 +49,21 @@ def up(args, flags: list[Flag]) -> None:
                                          str(metrics[role])])
             procs.append(proc)
             names[proc.pid] = role
-        wait_healthy(prefill, procs[0], args.startup_timeout)
-        wait_healthy(decode, procs[1], args.startup_timeout)
-        router_flags = ["--prefill", prefill, "--decode", decode, "--http-port",
-                        str(args.http_port)]
-        if args.model:
-            router_flags += ["--model", args.model]
+        mutual = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        wait_healthy(prefill, procs[0], args.startup_timeout, mutual)
+        wait_healthy(decode, procs[1], args.startup_timeout, mutual)
+        # Every flag the router takes too (TLS, traces, drain grace, model) goes to it.
+        router_flags = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode",
+                        decode, "--http-port", str(args.http_port)]
         if args.api_key:
             router_flags += ["--api-key", args.api_key]
         proc = spawn("router", router, router_flags)
         procs.append(proc)
         names[proc.pid] = "router"
-        wait_healthy(router, proc, args.startup_timeout)
-        print(banner(args, metrics, served_name(router, args.api_key)), flush=True)
+        wait_healthy(router, proc, args.startup_timeout,
+                     client_credentials(args.tls_ca) if args.tls_cert else None)
+        print(banner(args, metrics, served_name(router, args.api_key, args.tls_cert and
+                                                args.tls_ca)), flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -77,14 +80,17 @@ def up(args, flags: list[Flag]) -> None:
         sys.exit(1)
 
 
-def served_name(router: str, api_key: str | None) -> str:
+def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
     """The model's name in the OpenAI API, as the router says it."""
     import grpc
 
     from baton.v1 import generation_pb2 as gen
     from baton.v1 import generation_pb2_grpc as gen_grpc
 
-    with grpc.insecure_channel(router) as channel:
+    creds = client_credentials(ca)
+    channel = (grpc.secure_channel(router, creds) if creds is not None
+               else grpc.insecure_channel(router))
+    with channel:
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         info = gen_grpc.GenerationStub(channel).GetModelInfo(
             gen.GetModelInfoRequest(), metadata=metadata, timeout=10).info
@@ -94,6 +100,7 @@ def served_name(router: str, api_key: str | None) -> str:
 def banner(args, metrics: dict[str, int], model: str) -> str:
     http, grpc_port = f"http://localhost:{args.http_port}", args.port
     key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    tool_key = f" --api-key {args.api_key}" if args.api_key else ""
     chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
     sdk = (f"import openai; c = openai.OpenAI(base_url='{http}/v1', "
            f"api_key='{args.api_key or 'none'}'); "
@@ -111,7 +118,7 @@ def banner(args, metrics: dict[str, int], model: str) -> str:
         f'  .venv/bin/python -c "{sdk}"',
         "",
         "  .venv/bin/baton generate --chat 'What is the capital of France?' "
-        f"--address localhost:{grpc_port}",
+        f"--address localhost:{grpc_port}{tool_key}",
         f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{grpc_port} "
         "baton.v1.Generation/Generate",
         "",

@@ -133,14 +133,16 @@ class Router:
         self.inflight += 1
         m.labels(m.inflight).set(self.inflight)
         t0 = last = time.monotonic()
-        outcome = None
+        outcome, generated = None, 0
         span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
                                   **caller.attributes)
         try:
             job = await self.intake.job(request, self.registry.model_info())
             span.set_attribute("baton.request_id", job.request_id)
             span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
-            m.labels(m.prompt_tokens).inc(len(job.prompt_ids))
+            if not m.model:
+                m.model = self.model_info().model
+            m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
             # aclosing: a caller that leaves closes the inner generator now.
             async with aclosing(self._generate(job, caller, ctx)) as replies:
                 async for reply in replies:
@@ -153,7 +155,7 @@ class Router:
                             m.labels(m.itl).observe((now - last) / n)
                     if n:
                         last = now
-                        m.labels(m.generation_tokens).inc(n)
+                        generated += n
                     if reply.timings.kv_transfer_s:
                         m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
                     if reply.delta.finish_reason:
@@ -169,6 +171,7 @@ class Router:
             if outcome in FINISHED.values():
                 m.labels(m.success, finished_reason=outcome).inc()
                 m.labels(m.e2e).observe(time.monotonic() - t0)
+                m.labels(m.generation_tokens).observe(generated)
             else:  # an error, or the caller left (CANCELLED)
                 m.labels(m.failure, code=outcome or "CANCELLED").inc()
             span.end()

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.serving.metrics import (
     ITL_BUCKETS,
     LATENCY_BUCKETS,
+    TOKEN_BUCKETS,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
 )
@@ -46,10 +47,12 @@ class RouterMetrics:
         self.migrations = Counter("baton:decode_migrations",
                                   "Streams moved to another decode worker", label,
                                   registry=r)
-        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens of requests",
-                                     label, registry=r)
-        self.generation_tokens = Counter("baton:generation_tokens",
-                                         "Tokens streamed to clients", label, registry=r)
+        # Per request (the workers count the tokens they compute, as counters).
+        self.prompt_tokens = Histogram("baton:request_prompt_tokens", "Prompt length",
+                                       label, buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_tokens = Histogram("baton:request_generation_tokens",
+                                           "Tokens streamed to the client", label,
+                                           buckets=TOKEN_BUCKETS, registry=r)
 
     def labels(self, metric, **kw):
         return metric.labels(model_name=self.model, **kw)

@@ -4,6 +4,7 @@ HTTP API with /metrics beside it, both over the one request path (core.py)."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 
 import grpc
 
@@ -33,8 +34,9 @@ class RouterServicer(gen_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         caller = Caller(context.time_remaining, tracing.extract(context.invocation_metadata()))
-        async for reply in self.router.generate(request, caller):
-            yield reply
+        async with aclosing(self.router.generate(request, caller)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Tokenize(self, request, context):
         return gen.TokenizeResponse(token_ids=await self.router.tokenize(request))
@@ -59,14 +61,14 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list, decode: lis
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,
-              idle=None, on_stop=None, registries=()) -> None:
+              idle=None, on_stop=None, registries=(), guarded=()) -> None:
     """Serve `router` over gRPC (and HTTP when config.http_port) until SIGTERM, drain,
     stop. `register_more(server)` adds other services (a colocated worker's), and
-    `registries` more metrics to /metrics."""
+    `registries` more metrics to /metrics, and `guarded` more methods behind the API key."""
     from router.openai.server import HttpServer
 
     security = Security.of(config)
-    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    lifecycle.authorize = security.grpc_check((*GENERATION_METHODS, *guarded))
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
 

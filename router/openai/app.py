@@ -28,7 +28,7 @@ from router.openai.protocol import ChatRequest, CompletionRequest
 from router.openai.render import Choice, Renderer, error_body, param_of
 from router.openai.runs import Run
 from services.serving import tracing
-from services.serving.errors import InvalidArgument, ServiceError
+from services.serving.errors import InvalidArgument, Overloaded, ServiceError
 from services.serving.security import Security
 from services.serving.server import Lifecycle, status_of
 
@@ -50,10 +50,6 @@ def api_error(e: Exception, chat: bool = False) -> ApiError:
     return ApiError(status, body, headers)
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class Guard:
     """Before anything is parsed or queued: the size of the body, the API key, the
     drain. Counts the requests in flight for the drain. (Plain ASGI: it wraps streams
@@ -65,7 +61,8 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
         refusal = None
         if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
             refusal = (413, error_body(InvalidArgument.code,
@@ -77,22 +74,29 @@ class Guard:
             refusal = error_body(grpc.StatusCode.UNAVAILABLE, "draining: no new requests")
         if refusal is not None:
             return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
-        size = 0
-
-        async def counted():
-            nonlocal size
+        body, more = [], True  # read (and bound) the body before the app parses it
+        while more:
             message = await receive()
-            size += len(message.get("body", b""))
-            if size > MAX_BODY_BYTES:
-                raise BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                return
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(len(b) for b in body) > MAX_BODY_BYTES:
+                body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} "
+                                  "bytes")[1]
+                return await JSONResponse(body, status_code=413)(scope, receive, send)
+        replay = {"type": "http.request", "body": b"".join(body), "more_body": False}
+
+        async def replayed():
+            nonlocal replay
+            if replay is not None:
+                message, replay = replay, None
+                return message
+            return await receive()
 
         self.lifecycle.inflight += 1
         try:
-            await self.app(scope, counted, send)
-        except BodyTooLarge:
-            body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} bytes")
-            await JSONResponse(body[1], status_code=413)(scope, receive, send)
+            await self.app(scope, replayed, send)
         finally:
             self.lifecycle.inflight -= 1
 
@@ -121,6 +125,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
     @app.get("/health")
     async def health():
         ready, why = router.registry.readiness()
+        if lifecycle.draining:
+            ready, why = False, "draining"
         return JSONResponse({"status": "ok" if ready else "unavailable", "detail": why},
                             status_code=200 if ready else 503)
 
@@ -157,7 +163,16 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                                          "model", "model_not_found")
                 raise ApiError(status, err)
             requests = body.requests(info.max_model_len)
-        except ServiceError as e:
+            room = router.max_inflight - router.inflight
+            if len(requests) > router.max_inflight:
+                raise InvalidArgument(f"n: {len(requests)} choices are more than the router "
+                                      f"runs at once ({router.max_inflight})")
+            if len(requests) > room:  # all choices or none: never a 429 mid-stream
+                raise Overloaded(f"router at capacity: {router.inflight} requests in flight "
+                                 f"(limit {router.max_inflight})")
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - ServiceError, or a value protobuf refused
             raise api_error(e, chat) from None
         want_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         renderer = Renderer(chat, body.model, router.intake.tokenizer.token_text)
@@ -166,26 +181,44 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         run = Run(router, requests, body.n, caller)
         run.start()
         events = run.events().__aiter__()
-        try:
-            first = await events.__anext__()  # errors before streaming are HTTP errors
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:  # noqa: BLE001
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:  # errors before the first token are HTTP errors; a client gone ends it all
+            first_event = asyncio.ensure_future(events.__anext__())
+            await asyncio.wait({first_event, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not first_event.done():
+                first_event.cancel()
+                await run.close()
+                return Response(status_code=499)
+            try:
+                first = first_event.result()
+            except StopAsyncIteration:
+                first = None
+        except BaseException as e:
+            watch.cancel()
             await run.close()
-            raise api_error(e, chat) from None
-        if body.stream:
+            if isinstance(e, Exception):
+                raise api_error(e, chat) from None
+            raise
+        if body.stream:  # from here Starlette watches the connection
+            watch.cancel()
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 _sse(run, events, first, renderer, len(requests), body.n, want_top, include),
                 media_type="text/event-stream")
         return await _whole(run, events, first, renderer, len(requests), body.n, want_top,
-                            request, chat)
+                            watch, chat)
 
     return app
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read: only a disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int,
-                 want_top: int, request: Request, chat: bool):
+                 want_top: int, watch: asyncio.Future, chat: bool):
     choices = [Choice(i) for i in range(count)]
 
     async def collect():
@@ -194,16 +227,10 @@ async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int
         async for i, reply in events:
             choices[i].add(reply)
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
     work = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client left: end every choice everywhere
-            work.cancel()
             return Response(status_code=499)
         work.result()
     except asyncio.CancelledError:
@@ -211,6 +238,7 @@ async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int
     except Exception as e:  # noqa: BLE001
         raise api_error(e, chat) from None
     finally:
+        work.cancel()
         watch.cancel()
         await run.close()
     return JSONResponse(renderer.whole(choices, n, want_top))

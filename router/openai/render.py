@@ -111,10 +111,11 @@ class Renderer:
                  "top_logprobs": [{"token": self.token_text(i), "logprob": v,
                                    "bytes": list(self.token_text(i).encode())}
                                   for i, v in top]} for t, lp, top in rows]}
-        return {"tokens": [self.token_text(t) for t, _, _ in rows],
-                "token_logprobs": [lp for _, lp, _ in rows],
+        tokens = [self.token_text(t) for t, _, _ in rows]
+        offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
                 "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in rows],
-                "text_offset": []}
+                "text_offset": offsets}  # from the start of these tokens' text
 
     def whole(self, choices: list[Choice], n: int, want_top: int) -> dict:
         body = self._head(chunk=False)

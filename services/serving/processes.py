@@ -45,8 +45,11 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
     raise TimeoutError(f"{address} was not healthy after {timeout:.0f}s")
 
 
-def is_serving(address: str, timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout: float = 3.0,
+               credentials: grpc.ChannelCredentials | None = None) -> bool:
+    channel = (grpc.secure_channel(address, credentials) if credentials is not None
+               else grpc.insecure_channel(address))
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                               timeout=timeout)

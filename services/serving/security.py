@@ -59,8 +59,9 @@ class Security:
         if not self.api_keys:
             return True
         scheme, _, token = (authorization or "").partition(" ")
+        given = token.strip().encode("utf-8", "replace")
         return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.strip(), k) for k in self.api_keys)
+            hmac.compare_digest(given, k.encode()) for k in self.api_keys)
 
     def grpc_check(self, methods: Iterable[str]) -> Callable[[str, tuple], str | None]:
         """For the interceptor: (method, metadata) -> why the call is refused, or None."""
@@ -86,8 +87,9 @@ class Security:
             require_client_auth=mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """For calls to a worker: verify it against the CA, and show our certificate."""
-        if self.ca is None:
+        """For calls to a worker: TLS when this service has a certificate (the workers'
+        are checked against --tls-ca, else the system's roots), showing ours."""
+        if self.cert is None and self.ca is None:
             return None
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
@@ -103,3 +105,12 @@ class Security:
         if creds is None:
             return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def client_credentials(ca: str | None = None, cert: str | None = None,
+                       key: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS for a tool that calls a service (`baton health`, `generate`, `up`): None
+    (plaintext) without any of the files."""
+    if not (ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(_read(ca), _read(key), _read(cert))

@@ -49,9 +49,9 @@ class WorkerMetrics:
         label = ["model_name"]
         self.pull = Histogram("baton:kv_pull_seconds", "Decode: one pull of a prompt's KV",
                               label, buckets=TRANSFER_BUCKETS, registry=self.registry)
-        self.queue = Histogram("baton:request_queue_time_seconds",
-                               "Arrival to first scheduled", label, buckets=LATENCY_BUCKETS,
-                               registry=self.registry)
+        self.queue = Histogram("baton:engine_queue_time_seconds",
+                               "Arrival to first scheduled, on this engine", label,
+                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.prefill = Histogram("baton:request_prefill_time_seconds",
                                  "First scheduled to first token", label,
                                  buckets=LATENCY_BUCKETS, registry=self.registry)

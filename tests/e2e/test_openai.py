@@ -104,6 +104,7 @@ def test_logprobs_in_both_shapes(client, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(
         len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(3)]
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -114,13 +115,15 @@ def test_logprobs_in_both_shapes(client, model):
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     ({"messages": MESSAGES, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ({"messages": MESSAGES, "model": "gpt-9"}, 404, "model"),
+    ({"messages": MESSAGES, "max_tokens": 2**40}, 400, None),  # past int32: still a 400
 ])
 def test_errors_in_openais_shape(http, model, body, status, param):
     body = {"model": model, **body}
     r = httpx.post(http + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["message"] and err["type"]
+    assert err["param"] == param and err["message"] and err["type"] == (
+        "invalid_request_error" if status == 400 else "not_found_error")
 
 
 def test_models_health_and_metrics_that_move(topology, http, client, model):
@@ -129,7 +132,8 @@ def test_models_health_and_metrics_that_move(topology, http, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
     after = httpx.get(http + "/metrics", timeout=10).text
     for name in ("baton:time_to_first_token_seconds_count",
-                 "baton:e2e_request_latency_seconds_count", "baton:generation_tokens_total"):
+                 "baton:e2e_request_latency_seconds_count",
+                 "baton:request_generation_tokens_count"):
         assert _value(after, name) > _value(before, name), name
     for role in ("prefill", "decode"):
         text = httpx.get(f"http://{topology['topology'].metrics[topology[role]]}/metrics",
@@ -156,6 +160,12 @@ def test_a_client_that_disconnects_frees_every_block(topology, http, model):
             if n == 4:
                 break
     assert both_free_within(topology, 2.0)
+    # Whole (not streamed), and gone before the first token: the prompt is long, n is 2.
+    body = {"model": model, "prompt": "Tell a story. " * 1000, "max_tokens": 400, "n": 2,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(http + "/v1/completions", json=body, timeout=0.2)
+    assert both_free_within(topology, 1.5)  # its 4,000-token prefill alone takes longer
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +187,8 @@ def test_429_with_retry_after_and_504_past_the_deadline(strict, model):
             busy = c2.post(strict + "/v1/completions", json={**long, "max_tokens": 2})
             assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
             assert busy.json()["error"]["type"] == "rate_limit_error"
+    many = httpx.post(strict + "/v1/completions", json={**long, "n": 2}, timeout=30)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     t0 = time.monotonic()
     late = httpx.post(strict + "/v1/completions", json=long, timeout=60)
     assert late.status_code == 504 and time.monotonic() - t0 < 10, late.text

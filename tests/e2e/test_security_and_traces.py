@@ -77,7 +77,7 @@ def secure(tmp_path_factory, model_path):
         yield {"topology": topo, "p": p, "d": d, "router": router, "ca": ca,
                "rogue_ca": rogue_ca, "mutual": mutual, "public": public,
                "collector": collector, "http": "https://" + topo.http[router],
-               "tls": tls}
+               "tls": tls, "client": (client_cert, client_key)}
     finally:
         topo.stop()
         otlp_server.stop(0)
@@ -140,7 +140,16 @@ def test_a_worker_without_the_cas_certificate_cannot_join(secure):
                         healthy=False)
     router = topo.start("router", "--prefill", secure["p"], "--decode", rogue,
                         *secure["tls"]("router-2"), healthy=False)
-    time.sleep(15)  # the rogue loads its model meanwhile; the router polls it
+    cert, key = secure["client"]  # the rogue trusts our CA, but itself shows another's
+    from services.serving.processes import is_serving
+
+    seen = grpc.ssl_channel_credentials(secure["rogue_ca"].path.read_bytes(),
+                                        key.read_bytes(), cert.read_bytes())
+    deadline = time.monotonic() + 120
+    while not is_serving(rogue, credentials=seen):  # it loads its model meanwhile
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(2.0)  # a few of the router's polls: each one is refused
     with grpc.secure_channel(router, secure["public"]) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                      timeout=10)
