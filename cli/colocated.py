@@ -55,7 +55,7 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
 
         await run(router_config, router, lifecycle, register_more,
                   idle=lambda: aengine.stats.idle, on_stop=stop, registries=[metrics.registry],
-                  guarded=[method_name(wk, "WorkerService", m)
-                           for m in ("GetStats", "ReadKvBlocks")])
+                  guarded=[method_name(wk, "WorkerService", m.name) for m in
+                           wk.DESCRIPTOR.services_by_name["WorkerService"].methods])
 
     asyncio.run(main())

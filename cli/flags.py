@@ -155,9 +155,26 @@ FLAGS: list[Flag] = [
        "test hook: every KV pull fails with this reason", optional=True, hidden=True),
     # -- routers
     _f("prefill", ("router",), "router.prefill",
-       "a prefill worker address (repeat, or comma-separate)", kind=list),
+       "prefill workers: host:port, or dns:///name:port for every address of a DNS name "
+       "(dns://server/name:port asks that server); repeat, or comma-separate", kind=list),
     _f("decode", ("router",), "router.decode",
-       "a decode worker address (repeat, or comma-separate)", kind=list),
+       "decode workers, as --prefill", kind=list),
+    _f("discovery-interval", ("router",), "router.discovery_interval",
+       "seconds between lookups of dns:/// names (workers join and leave)", kind=float),
+    _f("routing", ("router",), "router.routing",
+       "kv: weigh each worker's cached prefix (its KV events) against its load; "
+       "load: load alone", choices=("kv", "load")),
+    _f("kv-overlap-weight", ("router",), "router.kv_overlap_weight",
+       "routing cost of each prompt token a worker does not hold", kind=float),
+    _f("load-weight", ("router",), "router.load_weight",
+       "routing cost of a unit of a worker's load (waiting x 4 + running), in prompt "
+       "tokens", kind=float),
+    _f("local-prefill-tokens", ("router",), "router.local_prefill_tokens",
+       "the decode worker prefills a prompt itself when it lacks at most this many of "
+       "its tokens (0: off)", kind=int),
+    _f("local-prefill-hit", ("router",), "router.local_prefill_hit",
+       "... or when it holds at least this share of the prompt's blocks (0: never)",
+       kind=float),
     _f("max-inflight", ROUTERS, "router.max_inflight",
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",

@@ -55,9 +55,19 @@ class GrpcWorkerClient:
         self.channel = (security.aio_channel(address) if security is not None
                         else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._inflight: dict[object, bool] = {}  # call -> failed by fail_inflight()
+        self._closed = False
 
     async def close(self) -> None:
+        self._closed = True
         await self.channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:  # a retired worker: a late release, or a pick made before
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} retired")
+
+    def busy(self) -> bool:
+        """Calls are in flight (a retired worker's channel stays open until none is)."""
+        return bool(self._inflight)
 
     def fail_inflight(self) -> None:
         for call in list(self._inflight):
@@ -89,17 +99,20 @@ class GrpcWorkerClient:
         finally:
             self._inflight.pop(call, None)
 
-    async def _unary(self, call):
+    async def _unary(self, make_call):
+        self._check_open()
+        call = make_call()
         with self._tracked(call):
             return await call
 
     async def prefill(self, req: wk.PrefillRequest, timeout: float, metadata=()
                       ) -> wk.PrefillResponse:
-        return await self._unary(wk_grpc.PrefillServiceStub(self.channel).Prefill(
+        return await self._unary(lambda: wk_grpc.PrefillServiceStub(self.channel).Prefill(
             req, timeout=timeout, metadata=metadata))
 
     async def decode(self, req: wk.DecodeRequest, timeout: float, metadata=()
                      ) -> AsyncIterator[wk.DecodeResponse]:
+        self._check_open()
         call = wk_grpc.DecodeServiceStub(self.channel).Decode(req, timeout=timeout,
                                                               metadata=metadata)
         try:
@@ -110,17 +123,22 @@ class GrpcWorkerClient:
             call.cancel()  # a no-op when done; else the caller left: end it on the worker
 
     async def release(self, request_id: str, lease_id: int = 0) -> bool:
-        reply = await self._unary(wk_grpc.PrefillServiceStub(self.channel).ReleaseKv(
+        reply = await self._unary(lambda: wk_grpc.PrefillServiceStub(self.channel).ReleaseKv(
             wk.ReleaseKvRequest(request_id=request_id, lease_id=lease_id), timeout=10))
         return reply.released
 
     async def stats(self, timeout: float) -> wk.GetStatsResponse:
-        return await self._unary(wk_grpc.WorkerServiceStub(self.channel).GetStats(
+        return await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).GetStats(
             wk.GetStatsRequest(), timeout=timeout))
 
     async def connect(self, prefill_address: str) -> wk.ConnectResponse:
-        return await self._unary(wk_grpc.DecodeServiceStub(self.channel).Connect(
+        return await self._unary(lambda: wk_grpc.DecodeServiceStub(self.channel).Connect(
             wk.ConnectRequest(prefill_address=prefill_address), timeout=30))
+
+    async def kv_events(self, engine_id: str, after: int, timeout: float
+                        ) -> wk.GetKvEventsResponse:
+        return await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).GetKvEvents(
+            wk.GetKvEventsRequest(engine_id=engine_id, after=after), timeout=timeout))
 
 
 class LocalContext:
@@ -147,6 +165,9 @@ class LocalWorkerClient:
 
     async def close(self) -> None:
         pass
+
+    def busy(self) -> bool:
+        return False
 
     def fail_inflight(self) -> None:
         pass  # it cannot freeze without freezing us
@@ -181,6 +202,10 @@ class LocalWorkerClient:
 
     async def release(self, request_id: str, lease_id: int = 0) -> bool:
         return False
+
+    async def kv_events(self, engine_id: str, after: int, timeout: float):
+        # Alone in its process, it is the only decode worker: nothing to choose between.
+        raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "one worker: no KV routing")
 
     async def connect(self, prefill_address: str):
         raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.discovery import Target
+from router.policy import Policy
 from services.serving.config import ServiceConfig
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     service: ServiceConfig = field(default_factory=lambda: ServiceConfig("0.0.0.0:50051"))
-    prefill: tuple[str, ...] = ()  # prefill worker addresses
-    decode: tuple[str, ...] = ()  # decode worker addresses
+    prefill: tuple[str, ...] = ()  # prefill worker addresses, or dns:///name:port
+    decode: tuple[str, ...] = ()  # decode worker addresses, or dns:///name:port
+    discovery_interval: float = 2.0  # seconds between lookups of dns:/// names
+    routing: str = "kv"  # "kv": cached prefix against load; "load": load alone
+    kv_overlap_weight: float = 1.0  # the cost of a prompt token the worker lacks
+    load_weight: float = 64.0  # the cost of a unit of load, in prompt tokens
+    local_prefill_tokens: int = 0  # decode prefills itself when it lacks at most this
+    local_prefill_hit: float = 0.9  # ... or holds this share of the prompt (0: never)
     model: str | None = None  # where the tokenizer comes from (default: the default model)
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     request_timeout: float = 600.0  # the deadline of a request whose client set none
@@ -28,3 +36,28 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be a port, got {self.http_port!r}")
+        if self.routing not in ("kv", "load"):
+            raise ValueError(f"routing must be kv or load, got {self.routing!r}")
+        if self.discovery_interval <= 0:
+            raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
+        for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.local_prefill_hit <= 1:
+            raise ValueError(f"local_prefill_hit must be in [0, 1], got "
+                             f"{self.local_prefill_hit!r}")
+        for role in ("prefill", "decode"):
+            self.targets(role)  # a bad address fails at start-up, naming it
+
+    def targets(self, role: str) -> list[Target]:
+        try:
+            return [Target.parse(a) for a in getattr(self, role)]
+        except ValueError as e:
+            raise ValueError(f"--{role}: {e}") from None
+
+    def policy(self) -> Policy:
+        kv = self.routing == "kv"
+        return Policy(kv_weight=self.kv_overlap_weight if kv else 0.0,
+                      load_weight=self.load_weight,
+                      local_prefill_tokens=self.local_prefill_tokens,
+                      local_prefill_hit=self.local_prefill_hit if kv else 0.0)

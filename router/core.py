@@ -3,11 +3,15 @@ the OpenAI-compatible HTTP routes), as it reads:
 
     admit                   at most max_inflight at once, else RESOURCE_EXHAUSTED
     validate and tokenize   (intake.py: every field checked, tokenizing off the loop)
-    prefill                 the least loaded prefill worker that answers: the first token
+    local or not            the decode worker that holds (nearly) all of the prompt's
+                            prefix computes it itself: no prefill worker, no KV moved
+    prefill                 the cheapest prefill worker for the prompt (its cached prefix
+                            against its load, policy.py) that answers: the first token
                             and a KV handle; a failed worker's prompt goes to the next
-    decode with migration   a decode worker paired with that prefill engine pulls the KV
-                            and streams the rest; if it dies, another one recomputes the
-                            prompt and the tokens streamed so far and goes on
+    decode with migration   the cheapest decode worker paired with that prefill engine
+                            pulls what it lacks of the KV and streams the rest; if it dies,
+                            another one recomputes the prompt and the tokens streamed so
+                            far and goes on
 
 The caller's deadline (or --request-timeout) goes on to each call; a caller that leaves
 closes the stream, which cancels the call in flight, which aborts the request on that
@@ -31,6 +35,7 @@ from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from router.clients import WorkerError
 from router.intake import Intake, Job
+from router.kv_index import PromptBlocks
 from router.lease import PrefillLease
 from router.metrics import RouterMetrics
 from router.registry import Registry
@@ -59,6 +64,7 @@ class Reply:
 
     def __init__(self, job: Job):
         self.job = job
+        self.blocks = PromptBlocks(job.prompt_ids, job.request.cache_salt)
         self.t0 = time.monotonic()
         self.streamed: list[int] = []
         self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
@@ -113,6 +119,17 @@ class Router:
         self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
         self.inflight = 0
         self.metrics = metrics or RouterMetrics()
+        registry.on_refresh = self._count_workers
+
+    def _count_workers(self) -> None:
+        m = self.metrics
+        for role, workers in (("prefill", self.registry.prefill),
+                              ("decode", self.registry.decode)):
+            for state in ("unknown", "up", "draining", "down"):
+                m.labels(m.workers, role=role, state=state).set(
+                    sum(w.state == state for w in workers))
+            m.labels(m.workers, role=role, state="retired").set(
+                sum(w.role == role for w in self.registry.retired))
 
     def model_info(self) -> gen.ModelInfo:
         info = self.registry.model_info()
@@ -147,9 +164,12 @@ class Router:
             async with aclosing(self._generate(job, caller, ctx)) as replies:
                 async for reply in replies:
                     now, n = time.monotonic(), len(reply.delta.token_ids)
-                    if n and last == t0:
+                    if n and last == t0:  # the first token
                         m.labels(m.ttft).observe(now - t0)
                         m.labels(m.queue).observe(reply.timings.queue_s)
+                        if reply.timings.local_prefill:
+                            m.labels(m.local_prefills).inc()
+                        m.labels(m.expected_cached).inc(reply.timings.expected_cached_blocks)
                     elif n:
                         for _ in range(n):
                             m.labels(m.itl).observe((now - last) / n)
@@ -178,30 +198,37 @@ class Router:
 
     async def _generate(self, job: Job, caller: Caller, ctx: Context):
         reply = Reply(job)
-        first, lease = await self._prefill(job, caller, ctx)
+        local = self.registry.local_prefill(reply.blocks)
+        if local is not None:  # conditional disaggregation: the decode worker prefills
+            first, lease = None, PrefillLease(None, job.request_id)
+        else:
+            first, lease = await self._prefill(reply, caller, ctx)
         async with lease:
             if first is not None:
                 yield reply.first_token(first)
                 if first.delta.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
                     return
-            async with aclosing(self._decode(reply, lease, caller, ctx)) as replies:
+            async with aclosing(self._decode(reply, lease, caller, ctx, local)) as replies:
                 async for out in replies:
                     yield out
 
-    async def _prefill(self, job: Job, caller: Caller, ctx: Context
+    async def _prefill(self, reply: Reply, caller: Caller, ctx: Context
                        ) -> tuple[wk.PrefillResponse | None, PrefillLease]:
-        """The first token and the lease, from the least loaded prefill worker that
-        answers. Prefill has no side effects, so a failed worker's prompt goes to the
-        next. With none left, (None, an empty lease): the decode worker prefills."""
-        r = job.request
+        """The first token and the lease, from the cheapest prefill worker that answers.
+        Prefill has no side effects, so a failed worker's prompt goes to the next. With
+        none left, (None, an empty lease): the decode worker prefills."""
+        job, r = reply.job, reply.job.request
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
                                  cache_salt=r.cache_salt)
         overloaded, m = None, self.metrics
-        for worker in self.registry.prefills():
+        for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made
                 continue
             worker.routed += 1
+            reply.timings.expected_cached_blocks = self.registry.policy.matched(
+                worker, reply.blocks)
+            worker.index.predict(reply.blocks)
             lease = PrefillLease(worker, job.request_id)
             span, call_ctx = tracing.child("prefill", ctx, trace.SpanKind.CLIENT,
                                            **{"baton.worker": worker.address})
@@ -231,22 +258,35 @@ class Router:
             raise overloaded.as_service_error("every prefill worker is full")
         return None, PrefillLease(None, job.request_id)
 
-    async def _decode(self, reply: Reply, lease: PrefillLease, caller: Caller, ctx: Context):
-        """The rest of the stream, from a decode worker; if it dies mid-stream, another
-        one recomputes the prompt and `reply.streamed` and goes on: no gap, no repeat."""
+    async def _decode(self, reply: Reply, lease: PrefillLease, caller: Caller, ctx: Context,
+                      local=None):
+        """The rest of the stream, from a decode worker (`local`, when it was chosen to
+        prefill too); if it dies mid-stream, another one recomputes the prompt and
+        `reply.streamed` and goes on: no gap, no repeat."""
         exclude: set[str] = set()
         overloaded, m = None, self.metrics
         while True:
             try:
-                worker, paired = self.registry.pick_decode(lease.engine_id, exclude)
+                if local is not None and local.state == "up":
+                    worker, paired = local, False
+                    worker.routed += 1
+                else:
+                    worker, paired = self.registry.pick_decode(lease.engine_id, exclude,
+                                                               reply.blocks)
             except LookupError as e:
                 if overloaded is not None:
                     raise overloaded.as_service_error("every decode worker is full") from None
                 raise Unavailable(str(e)) from None
+            local = None
             if lease.live and not paired:
                 log.warning("no decode worker can pull from prefill engine %s; %s "
                             "recomputes the prompt", lease.engine_id, worker.address)
                 lease.give_up()
+            if not reply.streamed:  # it computes the prompt: what did we expect it holds?
+                reply.timings.local_prefill = True
+                reply.timings.expected_cached_blocks = self.registry.policy.matched(
+                    worker, reply.blocks)
+            worker.index.predict(reply.blocks)
             span, call_ctx = tracing.child("decode", ctx, trace.SpanKind.CLIENT,
                                            **{"baton.worker": worker.address})
             try:

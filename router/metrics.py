@@ -47,6 +47,16 @@ class RouterMetrics:
         self.migrations = Counter("baton:decode_migrations",
                                   "Streams moved to another decode worker", label,
                                   registry=r)
+        self.local_prefills = Counter("baton:local_prefills",
+                                      "Prompts a decode worker computed itself "
+                                      "(conditional disaggregation, or no prefill worker)",
+                                      label, registry=r)
+        self.expected_cached = Counter("baton:routed_expected_cached_blocks",
+                                       "Prompt blocks the router expected the chosen worker "
+                                       "to hold (compare the workers' prefix cache hits)",
+                                       label, registry=r)
+        self.workers = Gauge("baton:workers", "Workers known, by role and state", label
+                             + ["role", "state"], registry=r)
         # Per request (the workers count the tokens they compute, as counters).
         self.prompt_tokens = Histogram("baton:request_prompt_tokens", "Prompt length",
                                        label, buckets=TOKEN_BUCKETS, registry=r)

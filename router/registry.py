@@ -15,7 +15,14 @@ that holds its KV, and a restarted worker comes back under a new id, to be paire
 
 Load score, as vLLM's data-parallel balancer: waiting * 4 + running, from each worker's
 last stats, plus the requests routed to it since (counted as waiting), so a burst between
-two polls spreads out. Both prefill and decode picks count.
+two polls spreads out. Both prefill and decode picks count. Each poll also brings the
+worker's KV events into its prefix index; picks weigh cached prefix against load
+(policy.py).
+
+Workers come from fixed addresses or from DNS names (discovery.py), resolved again every
+`discovery_interval` seconds: new addresses join (polled, then paired), vanished ones are
+retired: no new request goes there, calls in flight go on (or fail over, as from any
+worker), and their channel closes once none is left.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from dataclasses import dataclass, field
 
 from baton.v1 import worker_pb2 as wk
 from router.clients import WorkerError
+from router.discovery import Target, resolve
+from router.kv_index import PrefixIndex, PromptBlocks
+from router.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,9 @@ class Worker:
     last_seen: float = 0.0  # monotonic time of the last answered poll
     routed: int = 0  # requests sent since the last stats poll
     pairs: dict[str, str | None] = field(default_factory=dict)  # prefill engine id -> error
+    index: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as known
+    kv_events: bool = True  # it answers GetKvEvents
+    target: str = ""  # the --prefill/--decode value that found it ("": given as a client)
 
     @property
     def engine_id(self) -> str | None:
@@ -57,14 +70,25 @@ class Worker:
 class Registry:
     def __init__(self, prefill: list[Worker], decode: list[Worker], poll_s: float = 0.5,
                  worker_timeout_s: float = 3.0,
-                 on_ready: Callable[[bool, str], Awaitable[None]] | None = None):
+                 on_ready: Callable[[bool, str], Awaitable[None]] | None = None,
+                 policy: Policy | None = None, targets: dict[str, list[Target]] | None = None,
+                 make_client: Callable[[str], object] | None = None,
+                 discovery_interval: float = 2.0):
         self.prefill = prefill
         self.decode = decode
         self.poll_s = poll_s
         self.worker_timeout_s = worker_timeout_s
         self.on_ready = on_ready  # told (ready, why) whenever readiness changes
+        self.policy = policy or Policy()
+        self.targets = targets or {}  # role -> where its workers are found
+        self.make_client = make_client  # address -> a client for it
+        self.discovery_interval = discovery_interval
+        self.retired: list[Worker] = []  # gone from discovery, calls still in flight
+        self._resolved: dict[str, list[str]] = {}  # target -> its addresses, last lookup
+        self.on_refresh: Callable[[], None] | None = None  # after every round of polls
         self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
+        self._discovery: asyncio.Task | None = None
         self._connecting: dict[tuple[str, str], asyncio.Task] = {}  # handshakes under way
 
     @property
@@ -78,11 +102,51 @@ class Registry:
         return None
 
     async def start(self) -> None:
-        """The first poll, and its handshakes (so the first requests are disaggregated);
-        then polls every poll_s."""
+        """The first lookups, poll, and handshakes (so the first requests are
+        disaggregated); then polls every poll_s and lookups every discovery_interval."""
+        await self.discover()
         await self.refresh()
         await self.handshakes(timeout=30)
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop())
+        if any(t.dns for ts in self.targets.values() for t in ts):
+            self._discovery = loop.create_task(self._discover_loop())
+
+    async def _discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery_interval)
+            try:
+                await self.discover()
+            except Exception:
+                log.exception("worker discovery failed")
+
+    async def discover(self) -> None:
+        """Resolve every target again: add the workers that appeared, retire those that
+        vanished. A role whose lookup failed keeps its workers until the next round."""
+        for role, targets in self.targets.items():
+            workers = self.prefill if role == "prefill" else self.decode
+            found: dict[str, str] = {}  # address -> target
+            for t in targets:
+                try:
+                    self._resolved[t.text] = await resolve(t)
+                except OSError as e:  # keep what it gave last time
+                    log.warning("%s workers: %s; keeping the %d it found before", role, e,
+                                len(self._resolved.get(t.text, ())))
+                for a in self._resolved.get(t.text, ()):
+                    found.setdefault(a, t.text)
+            known = {w.address for w in workers}
+            for w in [w for w in workers if w.target and w.address not in found]:
+                log.info("%s worker %s left %s: retired", role, w.address, w.target)
+                workers.remove(w)
+                w.state = "retired"  # a pick made before this skips it
+                self.retired.append(w)
+            for a, text in found.items():
+                if a not in known:
+                    log.info("%s worker %s found by %s", role, a, text)
+                    workers.append(Worker(a, role, self.make_client(a), target=text))
+        for w in [w for w in self.retired if not w.client.busy()]:
+            self.retired.remove(w)
+            await w.client.close()
 
     async def handshakes(self, timeout: float) -> None:
         """Wait for the handshakes under way (at most `timeout` seconds)."""
@@ -90,11 +154,10 @@ class Registry:
             await asyncio.wait(list(self._connecting.values()), timeout=timeout)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for task in list(self._connecting.values()):
-            task.cancel()
-        for w in self.workers:
+        for task in (self._task, self._discovery, *self._connecting.values()):
+            if task is not None:
+                task.cancel()
+        for w in self.workers + self.retired:
             await w.client.close()
 
     async def _loop(self) -> None:
@@ -109,7 +172,8 @@ class Registry:
         """Poll every worker, start the handshakes of new pairs, and say if readiness
         changed. Handshakes run in the background: a slow one never delays the polls
         that notice a dead or frozen worker."""
-        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        # Retired workers too: one that froze must still fail its calls in flight.
+        await asyncio.gather(*(self._poll(w) for w in self.workers + self.retired))
         by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
         for d in self.decode:
             if d.state != "up":
@@ -120,6 +184,8 @@ class Registry:
                     task = asyncio.get_running_loop().create_task(self._connect(d, p, eid))
                     self._connecting[key] = task
                     task.add_done_callback(lambda _, k=key: self._connecting.pop(k, None))
+        if self.on_refresh is not None:
+            self.on_refresh()
         await self._tell_readiness()
 
     async def _tell_readiness(self) -> None:
@@ -136,6 +202,9 @@ class Registry:
             stats = await w.client.stats(timeout=self.worker_timeout_s)
         except WorkerError as e:
             # Refused at once (dead), or no answer within worker_timeout_s (frozen).
+            if w.state == "retired":
+                w.client.fail_inflight()
+                return
             if w.state != "down":
                 if w.state != "unknown":
                     log.warning("%s worker %s is down: %s", w.role, w.address, e.code.name)
@@ -145,15 +214,32 @@ class Registry:
         if w.engine_id is not None and stats.engine_id != w.engine_id:
             log.info("%s worker %s restarted as %s", w.role, w.address, stats.engine_id)
             w.pairs.clear()  # a decode worker's handshakes died with its old engine
+            w.index.reset()  # and its cache with it
+            w.kv_events = True  # the new one may answer them
+        if w.state == "retired":  # polled only so that a frozen one fails its calls
+            w.last_seen = time.monotonic()
+            return
         state = "draining" if stats.draining else "up"
         if state != w.state:
             log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
         w.stats, w.state, w.last_seen, w.routed = stats, state, time.monotonic(), 0
+        if w.kv_events and self.policy.uses_kv:
+            await self._kv_events(w)
         if w.role == "prefill":  # forget pairs with engines no prefill worker runs now
             live = {p.engine_id for p in self.prefill}
             for d in self.decode:
                 for eid in [e for e in d.pairs if e not in live]:
                     del d.pairs[eid]
+
+    async def _kv_events(self, w: Worker) -> None:
+        try:
+            reply = await w.client.kv_events(w.index.engine_id, w.index.seq,
+                                             timeout=self.worker_timeout_s)
+        except WorkerError as e:
+            if e.code.name == "UNIMPLEMENTED":
+                w.kv_events = False  # an older worker: routed on load alone
+            return  # else the next poll tries again (and notices a dead worker)
+        w.index.apply(reply)
 
     async def _connect(self, d: Worker, p: Worker, engine_id: str) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION
@@ -185,27 +271,36 @@ class Registry:
         return True, (f"{len(usable)} prefill and {len(decodes)} decode workers usable"
                       + (f"; unusable pairs: {'; '.join(errors)}" if errors else ""))
 
-    def prefills(self) -> list[Worker]:
+    def prefills(self, prompt: PromptBlocks | None = None) -> list[Worker]:
         """Prefill workers that take new requests and that some decode worker can pull
-        from (else their work would be thrown away), least loaded first."""
+        from (else their work would be thrown away), cheapest for `prompt` first."""
         paired = {eid for d in self.decode if d.state == "up"
                   for eid, error in d.pairs.items() if error is None}
         return sorted((w for w in self.prefill if w.state == "up" and w.engine_id in paired),
-                      key=lambda w: w.score)
+                      key=lambda w: self.policy.cost(w, prompt))
 
-    def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset()
-                    ) -> tuple[Worker, bool]:
-        """The least loaded decode worker that takes new requests, not in `exclude`, and
-        whether it has paired with prefill engine `engine_id` (so it can pull a handle from
-        there). Paired workers first; with none paired, any (it will recompute the prompt).
-        LookupError says why there is none."""
+    def local_prefill(self, prompt: PromptBlocks) -> Worker | None:
+        """The decode worker that should compute `prompt` itself (conditional
+        disaggregation), if the cheapest one for it holds enough of it."""
+        decodes = [d for d in self.decode if d.state == "up"]
+        if not decodes or not self.prefills():
+            return None  # without a prefill worker, the decode pick decides anyway
+        best = min(decodes, key=lambda w: self.policy.cost(w, prompt))
+        return best if self.policy.local_prefill(best, prompt) else None
+
+    def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset(),
+                    prompt: PromptBlocks | None = None) -> tuple[Worker, bool]:
+        """The cheapest decode worker for `prompt` that takes new requests, not in
+        `exclude`, and whether it has paired with prefill engine `engine_id` (so it can
+        pull a handle from there). Paired workers first; with none paired, any (it will
+        recompute the prompt). LookupError says why there is none."""
         decodes = [d for d in self.decode if d.state == "up" and d.address not in exclude]
         if not decodes:
             tried = f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""
             raise LookupError("no decode worker can take the request: "
                               + _states(self.decode) + tried)
         paired = [d for d in decodes if engine_id and d.pairs.get(engine_id, "") is None]
-        d = min(paired or decodes, key=lambda w: w.score)
+        d = min(paired or decodes, key=lambda w: self.policy.cost(w, prompt))
         d.routed += 1
         return d, bool(paired)
 

@@ -45,16 +45,20 @@ class RouterServicer(gen_grpc.GenerationServicer):
         return gen.GetModelInfoResponse(info=self.router.model_info())
 
 
-def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list, decode: list
-          ) -> Router:
-    """The router over the given worker clients; its registry tells `lifecycle` when it
-    can serve (NOT_SERVING until then)."""
+def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode: list = (),
+          targets: dict | None = None, make_client=None) -> Router:
+    """The router over the given worker clients, and those its registry finds at
+    `targets` (clients from `make_client(address)`); the registry tells `lifecycle` when
+    it can serve (NOT_SERVING until then)."""
     from services.serving.default_model import default_model_path
 
     registry = Registry([Worker(c.address, "prefill", c) for c in prefill],
                         [Worker(c.address, "decode", c) for c in decode],
                         poll_s=config.poll_interval, worker_timeout_s=config.worker_timeout,
-                        on_ready=lambda ready, why: lifecycle.set_serving(ready))
+                        on_ready=lambda ready, why: lifecycle.set_serving(ready),
+                        policy=config.policy(), targets=targets or {},
+                        make_client=make_client,
+                        discovery_interval=config.discovery_interval)
     intake = Intake(Tokenizer(config.model or default_model_path()))
     return Router(registry, intake, config.max_inflight, config.request_timeout,
                   RouterMetrics(config.served_model_name or ""))
@@ -65,9 +69,14 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
     """Serve `router` over gRPC (and HTTP when config.http_port) until SIGTERM, drain,
     stop. `register_more(server)` adds other services (a colocated worker's), and
     `registries` more metrics to /metrics, and `guarded` more methods behind the API key."""
-    from router.openai.server import HttpServer
-
     security = Security.of(config)
+    if config.http_port:
+        try:
+            from router.openai.server import HttpServer
+        except ImportError as e:  # a router installed without the extra
+            raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
+                             f"{config.http_port}) needs `pip install baton[http]` "
+                             f"({e.name} is missing); or pass --http-port 0") from None
     lifecycle.authorize = security.grpc_check((*GENERATION_METHODS, *guarded))
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
@@ -106,9 +115,9 @@ def serve(config: RouterConfig) -> None:
 
     async def main():
         security = Security.of(config)
-        router = build(config, lifecycle,
-                       [GrpcWorkerClient(a, security) for a in config.prefill],
-                       [GrpcWorkerClient(a, security) for a in config.decode])
+        targets = {role: config.targets(role) for role in ("prefill", "decode")}
+        router = build(config, lifecycle, targets=targets,
+                       make_client=lambda a: GrpcWorkerClient(a, security))
         await run(config, router, lifecycle)
 
     asyncio.run(main())

@@ -1,4 +1,5 @@
-"""The benchmark workloads of shared/BENCHMARKS.md: random-token prompts, greedy, ignore_eos."""
+"""The benchmark workloads (W1 to W4, docs/benchmarks.md): random-token prompts, greedy,
+ignore_eos."""
 
 from __future__ import annotations
 
@@ -34,4 +35,9 @@ def make_workload(name: str, vocab_size: int) -> Workload:
     if name == "w3":
         rng = random.Random(0)
         return Workload("W3", [ids(rng, rng.randint(512, 1024)) for _ in range(32)], 16)
-    raise ValueError(f"unknown workload {name!r}; expected w1, w2 or w3")
+    if name == "w4":  # 16 tenants' prefixes; each request takes one, then its own tail
+        prefixes = [ids(random.Random(100 + t), 1024) for t in range(16)]
+        pick, tail = random.Random(4), random.Random(5)
+        return Workload("W4", [prefixes[pick.randrange(16)] + ids(tail, 32)
+                               for _ in range(256)], 32)
+    raise ValueError(f"unknown workload {name!r}; expected w1, w2, w3 or w4")

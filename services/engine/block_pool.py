@@ -7,12 +7,15 @@ themselves, so a block can leave it from the middle in O(1) (a prefix-cache hit)
 
 Prefix cache: a full block may carry a hash (see block_hash.py) and sit in the
 `hash -> block` map. It stays cached while free, in LRU order, until the pool hands it
-out again; only then (lazily) is its map entry removed.
+out again; only then (lazily) is its map entry removed. An optional KvEventLog hears of
+every hash that enters or leaves the map: the routers' view of this cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from services.serving.kv_events import KvEventLog
 
 
 class KVCacheBlock:
@@ -70,7 +73,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events: KvEventLog | None = None):
         if num_blocks < 2:
             raise ValueError(f"a block pool needs >= 2 blocks (one is null), got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -78,6 +81,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -97,6 +101,8 @@ class BlockPool:
             if block.block_hash is not None:  # lazy eviction of a cached free block
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -119,7 +125,8 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, block)
+        if self.cached.setdefault(block_hash, block) is block and self.events is not None:
+            self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash; blocks in use keep their data but will not be shared."""
@@ -127,6 +134,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return n
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -27,6 +27,7 @@ from services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.tokenizer import load_tokenizer
+from services.serving.kv_events import KvEventLog
 from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ class LLMEngine:
                                   num_kv_heads=model_config.num_kv_heads,
                                   head_dim=model_config.head_dim)
         receiver = kv_receiver(self.kv_layout, self.kv_caches) if kv_receiver else None
-        self.pool = BlockPool(num_blocks)
+        # What the routers poll to learn which prefixes this engine holds (KV events).
+        self.kv_events = KvEventLog()
+        self.pool = BlockPool(num_blocks, self.kv_events)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy,

@@ -40,6 +40,9 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 DRAIN_POLL_S = 0.05
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
                         health_pb2.HealthCheckResponse.NOT_SERVING)
+# A health service name that is SERVING for as long as the server answers, ready or not,
+# draining or not: for liveness probes (readiness asks for "", the overall status).
+LIVENESS = "liveness"
 
 
 class Lifecycle:
@@ -55,10 +58,12 @@ class Lifecycle:
         self.authorize: Callable[[str, tuple], str | None] | None = None
 
     async def set_serving(self, serving: bool) -> None:
-        """SERVING or NOT_SERVING for every service here (never SERVING while draining)."""
+        """SERVING or NOT_SERVING for every service here (never SERVING while draining);
+        LIVENESS stays SERVING."""
         status = SERVING if serving and not self.draining else NOT_SERVING
         for name in ("", *self.names):
             await self.health.set(name, status)
+        await self.health.set(LIVENESS, SERVING)
 
 
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -1,6 +1,7 @@
 """WorkerService, on every worker: its load and state for the router (from the engine
-thread's snapshot, never the live engine), and leased KV blocks as bytes for the gRPC
-fallback transport."""
+thread's snapshot, never the live engine), the blocks its prefix cache holds (KV events,
+from a log the engine thread writes under a lock), and leased KV blocks as bytes for the
+gRPC fallback transport."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens)
+
+    async def GetKvEvents(self, request, context):
+        engine = self.aengine.engine
+        after = request.after if request.engine_id == self.engine_id else 0
+        ev = engine.kv_events.read(after)
+        return wk.GetKvEventsResponse(
+            engine_id=self.engine_id, seq=ev.seq, snapshot=ev.snapshot, stored=ev.stored,
+            removed=ev.removed, block_size=self.layout.block_size,
+            enabled=engine.config.enable_prefix_caching)
 
     async def ReadKvBlocks(self, request, context):
         """The blocks held under lease `lease_id` of `request_id`, checked before the

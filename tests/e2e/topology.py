@@ -36,16 +36,21 @@ class Topology:
         self.metrics: dict[str, str] = {}  # a worker's gRPC address -> its metrics address
 
     def start(self, role: str, *flags: str, wait: bool = True, port: int | None = None,
-              healthy: bool = True, credentials=None, env: dict | None = None) -> str:
+              healthy: bool = True, credentials=None, env: dict | None = None,
+              host: str = "127.0.0.1") -> str:
         """Start a service; wait until it is healthy (with `healthy` False: never wait for
         it, it is not meant to become SERVING; `credentials`: TLS to reach it)."""
         port = port or free_port()
-        address = f"127.0.0.1:{port}"
+        address = f"{host}:{port}"
+        if role == "router" and "--local-prefill-hit" not in flags:
+            # These tests check the mechanics of disaggregation: every request goes
+            # through a prefill worker. Conditional disaggregation has its own tests.
+            flags = (*flags, "--local-prefill-hit", "0")
         if role in ("router", "colocated") and "--http-port" not in flags:
             http = free_port()
             flags = (*flags, "--http-port", str(http))
             self.http[address] = f"127.0.0.1:{http}"
-        log = open(self.log_dir / f"{role}-{port}.log", "w")
+        log = open(self.log_dir / f"{role}-{host}-{port}.log", "w")
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", **(env or {}))
         proc = subprocess.Popen(serve_command(role, address, *flags), cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)

@@ -24,7 +24,9 @@ from baton.v1 import worker_pb2_grpc as wk_grpc
 from router.clients import GrpcWorkerClient
 from router.config import RouterConfig
 from router.server import RouterServicer, build
+from services.serving.block_hash import extend_hashes
 from services.serving.errors import retry_metadata
+from services.serving.kv_events import KvEventLog
 from services.serving.server import Lifecycle, make_server, method_name, service_name
 
 VOCAB, MAX_LEN = 49152, 65536
@@ -75,7 +77,15 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     prefills: list[str] = field(default_factory=list)
     decodes: list[wk.DecodeRequest] = field(default_factory=list)
     active: int = 0
+    kv: KvEventLog = field(default_factory=KvEventLog)  # the prompts' blocks it "caches"
     _thaw: asyncio.Event | None = None
+
+    def cache(self, prompt: list[int], salt: str = "") -> None:
+        """Hold the prompt's full blocks, as an engine's prefix cache would."""
+        hashes: list[bytes] = []
+        extend_hashes(hashes, prompt, 16, salt.encode())
+        for h in hashes:
+            self.kv.stored(h)
 
     def freeze(self) -> None:
         self.frozen = True
@@ -103,6 +113,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         await self._stall_if_frozen()
         prompt = list(request.prompt_token_ids)
         self.prefills.append(request.request_id)
+        self.cache(prompt, request.cache_salt)
         max_tokens = request.sampling.max_tokens or 16
         reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1))
         if max_tokens > 1:
@@ -139,6 +150,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         await self._refuse(context)
         self.decodes.append(request)
         prompt = list(request.prompt_token_ids)
+        self.cache(prompt, request.cache_salt)
         max_tokens = request.sampling.max_tokens or 16
         if request.HasField("handle"):  # pull, then confirm (and release) at the source
             FAKES[request.handle.engine_id].release(request.handle.request_id,
@@ -169,7 +181,15 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                                      block_size=16, dtype="float32"))
 
 
-async def _serve(worker: FakeWorker) -> grpc.aio.Server:
+    async def GetKvEvents(self, request, context):
+        ev = self.kv.read(request.after if request.engine_id == self.engine_id else 0)
+        return wk.GetKvEventsResponse(engine_id=self.engine_id, seq=ev.seq,
+                                      snapshot=ev.snapshot, stored=ev.stored,
+                                      removed=ev.removed, block_size=16, enabled=True)
+
+
+async def _serve(worker: FakeWorker, host: str = "127.0.0.1", port: int = 0
+                 ) -> grpc.aio.Server:
     def register(server):
         wk_grpc.add_PrefillServiceServicer_to_server(worker, server)
         wk_grpc.add_DecodeServiceServicer_to_server(worker, server)
@@ -177,8 +197,8 @@ async def _serve(worker: FakeWorker) -> grpc.aio.Server:
         return [service_name(wk, "WorkerService")]
 
     server = make_server(register, Lifecycle())
-    port = server.add_insecure_port("127.0.0.1:0")
-    worker.address = f"127.0.0.1:{port}"
+    port = server.add_insecure_port(f"{host}:{port}")
+    worker.address = f"{host}:{port}"
     await server.start()
     return server
 
@@ -218,6 +238,8 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     FAKES.update({w.engine_id: w for w in workers})
     router_kw.setdefault("poll_interval", 0.05)
     router_kw.setdefault("worker_timeout", 0.5)
+    # Every request disaggregated, unless a test asks for conditional disaggregation.
+    router_kw.setdefault("local_prefill_hit", 0.0)
     config = RouterConfig(prefill=tuple(w.address for w in workers[:prefills]),
                           decode=tuple(w.address for w in workers[prefills:]),
                           model=str(tokenizer_model), http_port=0, **router_kw)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {"protos", "baton", "services", "router", "prefill_worker", "decode_worker",
-        "kv_transfer", "kernels", "cli"}
+        "kv_transfer", "kernels", "cli", "baton_client"}
 CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
 # Folder (or sub-package) -> project packages (dotted prefixes) it may import, besides
 # itself. The most specific folder applies.
@@ -26,9 +26,11 @@ ALLOWED = {
     "prefill_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
     "decode_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
     "cli": OURS,
+    "baton_client": {"protos", "baton"},  # the public client: the stubs and nothing else
 }
 FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/serving": {"torch"},
-                         "kv_transfer/base.py": {"torch"}}
+                         "kv_transfer/base.py": {"torch"},
+                         "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 MAX_LINES = 400
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.engine import SamplingParams
-from services.engine.block_hash import extend_hashes, hash_block
+from services.serving.block_hash import extend_hashes, hash_block
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -15,7 +15,14 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer.base import IncompatibleLayout
 from services.serving.errors import Overloaded, Unavailable
-from services.serving.server import Lifecycle, drain, make_server, method_name, service_name
+from services.serving.server import (
+    LIVENESS,
+    Lifecycle,
+    drain,
+    make_server,
+    method_name,
+    service_name,
+)
 
 
 class Toy(wk_grpc.PrefillServiceServicer, wk_grpc.WorkerServiceServicer):
@@ -112,6 +119,33 @@ def test_a_drain_refuses_new_work_serves_the_rest_and_waits_for_what_runs():
                 await running
                 await asyncio.wait_for(drained, 5)
                 watch.cancel()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_liveness_stays_serving_while_not_ready_and_while_draining():
+    """Kubernetes probes: readiness asks for "", liveness for LIVENESS, which must not fail
+    on a router with no worker yet or on a worker that drains."""
+    async def check(health, name):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+        return reply.status
+
+    async def main():
+        state = Lifecycle()
+        server, address = await _serve(Toy(), state)
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                assert await check(health, LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+                await state.set_serving(False)  # e.g. a router with no decode worker
+                assert await check(health, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await check(health, LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+                await state.set_serving(True)
+                await drain(state, idle=None, grace_s=1)
+                assert await check(health, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await check(health, LIVENESS) == health_pb2.HealthCheckResponse.SERVING
         finally:
             await server.stop(0)
 

@@ -115,16 +115,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_token_s", "expected_cached_blocks", "local_prefill")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     first_token_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...
+    expected_cached_blocks: int
+    local_prefill: bool
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., expected_cached_blocks: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id")

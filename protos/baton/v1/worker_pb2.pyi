@@ -212,3 +212,29 @@ class ReadKvBlocksResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class GetKvEventsRequest(_message.Message):
+    __slots__ = ("engine_id", "after")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    after: int
+    def __init__(self, engine_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+
+class GetKvEventsResponse(_message.Message):
+    __slots__ = ("engine_id", "seq", "snapshot", "stored", "removed", "block_size", "enabled")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    enabled: bool
+    def __init__(self, engine_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., enabled: _Optional[bool] = ...) -> None: ...

@@ -328,6 +328,11 @@ class WorkerServiceStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
                 _registered_method=True)
+        self.GetKvEvents = channel.unary_unary(
+                '/baton.v1.WorkerService/GetKvEvents',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -347,6 +352,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKvEvents(self, request, context):
+        """Which prefix-cache blocks this worker holds (KV events), as the net change since the
+        last event the caller saw; routers poll it to route on the KV cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -359,6 +372,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReadKvBlocks,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.SerializeToString,
+            ),
+            'GetKvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKvEvents,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +435,33 @@ class WorkerService:
             '/baton.v1.WorkerService/ReadKvBlocks',
             baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WorkerService/GetKvEvents',
+            baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

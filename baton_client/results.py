@@ -1,0 +1,114 @@
+"""What calls return: small frozen dataclasses made from the wire messages, here only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from baton.v1 import generation_pb2 as gen
+
+FINISH_NAME = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
+               gen.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds, as the server measured them; and how the router served the prompt."""
+
+    queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    first_token_s: float
+    expected_cached_blocks: int = 0  # the router's guess from the workers' KV events
+    local_prefill: bool = False  # the decode worker computed the prompt itself
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed response: the new tokens and text since the last one.
+
+    `finish_reason` is 'stop', 'length' or 'abort' on the last chunk, else None;
+    `stop_reason` the stop string or stop token id that ended it, if one did.
+    `logprobs`, when asked for: one {token_id: logprob} per new token, the sampled token
+    first, then the top N. `usage` comes on the last chunk, `timings` on the first and last.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: tuple[dict[int, float], ...] | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation: the chunks joined; the last usage and timings sent."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: tuple[dict[int, float], ...] | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @staticmethod
+    def of(chunks: Iterable[Chunk]) -> Completion:
+        chunks = list(chunks)
+        last = chunks[-1] if chunks else None
+        logprobs = [c.logprobs for c in chunks if c.logprobs is not None]
+        return Completion(
+            request_id=last.request_id if last else "",
+            text="".join(c.text for c in chunks),
+            token_ids=tuple(t for c in chunks for t in c.token_ids),
+            finish_reason=last.finish_reason if last else None,
+            stop_reason=last.stop_reason if last else None,
+            logprobs=tuple(lp for group in logprobs for lp in group) if logprobs else None,
+            usage=next((c.usage for c in reversed(chunks) if c.usage), None),
+            timings=next((c.timings for c in reversed(chunks) if c.timings), None))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    dtype: str
+    architecture: str
+
+
+def chunk_of(msg: gen.GenerateResponse) -> Chunk:
+    delta = msg.delta
+    which = delta.WhichOneof("stop_reason")
+    return Chunk(
+        request_id=msg.request_id,
+        text=delta.text,
+        token_ids=tuple(delta.token_ids),
+        finish_reason=FINISH_NAME.get(delta.finish_reason),
+        stop_reason=getattr(delta, which) if which else None,
+        logprobs=tuple({e.token_id: e.logprob for e in lp.entries} for lp in delta.logprobs)
+        if delta.logprobs else None,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens,
+                    msg.usage.cached_tokens) if msg.HasField("usage") else None,
+        timings=Timings(msg.timings.queue_s, msg.timings.prefill_s, msg.timings.kv_transfer_s,
+                        msg.timings.first_token_s, msg.timings.expected_cached_blocks,
+                        msg.timings.local_prefill) if msg.HasField("timings") else None)
+
+
+def model_info_of(msg: gen.GetModelInfoResponse) -> ModelInfo:
+    i = msg.info
+    return ModelInfo(i.model, i.max_model_len, i.vocab_size, tuple(i.eos_token_ids),
+                     i.block_size, i.dtype, i.architecture)

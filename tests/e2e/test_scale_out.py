@@ -1,0 +1,122 @@
+"""Scale-out on real processes: decode workers found through DNS (a test DNS server, the
+workers on 127.0.0.1-4 behind one name), routing on their KV events, and conditional
+disaggregation."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
+from services.serving.sampling_params import SamplingParams
+from tests.dns_server import DnsServer
+from tests.e2e.helpers import all_free_within, greedy, joined, run, stats
+from tests.e2e.topology import Topology, channel, free_port
+
+NAME = "decode.baton.test"
+PREFIX = ("You are the support assistant of a bicycle shop. Answer in one short sentence, "
+          "politely, and never invent prices. The shop opens at nine and closes at six; it "
+          "repairs every kind of bicycle, sells helmets, locks and lights, and rents city "
+          "bikes by the day. ")
+QUESTIONS = ["When do you open?", "Do you rent bikes?", "Can you fix a flat tyre?",
+             "Do you sell lights?"]
+
+
+@pytest.fixture(scope="module")
+def scale(tmp_path_factory, model_path):
+    dns = DnsServer()
+    topo = Topology(tmp_path_factory.mktemp("scale"))
+    port = free_port()
+    try:
+        prefill = topo.worker("prefill", wait=False)
+        decodes = [topo.worker("decode", host=f"127.0.0.{i}", port=port, wait=False)
+                   for i in (1, 2, 3)]
+        dns.set(NAME, ["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+        router = topo.start("router", "--prefill", prefill, "--decode",
+                            f"dns://127.0.0.1:{dns.port}/{NAME}:{port}",
+                            "--discovery-interval", "0.5", "--local-prefill-hit", "0.9")
+        yield {"router": router, "prefill": prefill, "decodes": decodes, "port": port,
+               "dns": dns, "topology": topo}
+    finally:
+        topo.stop()
+        dns.close()
+
+
+def _events(address: str) -> set[bytes]:
+    with channel(address) as ch:
+        reply = wk_grpc.WorkerServiceStub(ch).GetKvEvents(wk.GetKvEventsRequest(), timeout=5)
+    assert reply.snapshot and reply.block_size == 16
+    return set(reply.stored)
+
+
+def test_a_prefix_held_by_a_decode_worker_is_prefilled_there(scale, offline):
+    """The first request of a prefix is disaggregated; the next, routed to the decode
+    worker that now holds the prefix, is computed there: the router's expectation
+    (from KV events, hashed as the engine hashes) equals the hit the engine reports."""
+    router = scale["router"]
+    texts = [PREFIX + q for q in QUESTIONS[:2]]
+    want = offline.generate(texts, SamplingParams(max_tokens=12, temperature=0.0))
+    first = run(router, gen.GenerateRequest(text=texts[0], sampling=greedy(12)))
+    assert not first[-1].timings.local_prefill and first[-1].timings.kv_transfer_s > 0
+    holders = [d for d in scale["decodes"] if _events(d)]
+    assert len(holders) == 1  # the worker that pulled the KV reports its blocks
+    time.sleep(3.0)  # a few polls (0.5 s apart): the router has the events
+    second = run(router, gen.GenerateRequest(text=texts[1], sampling=greedy(12)))
+    t, usage = second[-1].timings, second[-1].usage
+    assert t.local_prefill and t.kv_transfer_s == 0
+    assert t.expected_cached_blocks >= 3
+    assert t.expected_cached_blocks * 16 == usage.cached_tokens
+    assert [joined(first), joined(second)] == [(w.token_ids, w.text) for w in want]
+    assert all_free_within([scale["prefill"], *scale["decodes"]], 5.0)
+
+
+def test_decode_workers_come_and_go_behind_one_name_and_no_request_fails(scale, offline):
+    router, port, dns, topo = scale["router"], scale["port"], scale["dns"], scale["topology"]
+    texts = [PREFIX + q for q in QUESTIONS]
+    want = [(w.token_ids, w.text) for w in offline.generate(
+        texts, SamplingParams(max_tokens=16, temperature=0.0))]
+    failures, served = [], [0]
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            try:
+                got = joined(run(router, gen.GenerateRequest(text=texts[i],
+                                                             sampling=greedy(16))))
+                if got != want[i]:
+                    failures.append(f"request {i}: {got} != {want[i]}")
+                served[0] += 1
+            except grpc.RpcError as e:
+                failures.append(f"request {i}: {e.code().name} {e.details()}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3.0)
+        gone = f"127.0.0.2:{port}"
+        topo.kill(gone, signal.SIGKILL)
+        dns.set(NAME, ["127.0.0.1", "127.0.0.3"])
+        new = topo.worker("decode", host="127.0.0.4", port=port)  # waits until healthy
+        dns.set(NAME, ["127.0.0.1", "127.0.0.3", "127.0.0.4"])
+        t0 = time.monotonic()
+        while stats(new).num_generation_tokens == 0:
+            assert time.monotonic() - t0 < 15, "the router never used the new worker"
+            time.sleep(0.2)
+        followed = time.monotonic() - t0
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert failures == []
+    assert served[0] >= 8
+    print(f"the router used the new decode worker {followed:.1f}s after its DNS record")
+    assert all_free_within([scale["prefill"], f"127.0.0.1:{port}", f"127.0.0.3:{port}", new],
+                           5.0)
