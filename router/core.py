@@ -123,6 +123,11 @@ class Router:
 
     def _count_workers(self) -> None:
         m = self.metrics
+        if not m.model:  # label the series with the model, once a worker has said it
+            info = self.registry.model_info()
+            if info is None:
+                return
+            m.model = info.model
         for role, workers in (("prefill", self.registry.prefill),
                               ("decode", self.registry.decode)):
             for state in ("unknown", "up", "draining", "down"):

@@ -9,11 +9,13 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
+from services.serving.processes import wait_healthy
 from services.serving.sampling_params import SamplingParams
 from tests.dns_server import DnsServer
 from tests.e2e.helpers import all_free_within, greedy, joined, run, stats
@@ -41,8 +43,16 @@ def scale(tmp_path_factory, model_path):
         router = topo.start("router", "--prefill", prefill, "--decode",
                             f"dns://127.0.0.1:{dns.port}/{NAME}:{port}",
                             "--discovery-interval", "0.5", "--local-prefill-hit", "0.9")
-        yield {"router": router, "prefill": prefill, "decodes": decodes, "port": port,
-               "dns": dns, "topology": topo}
+        scale = {"router": router, "prefill": prefill, "decodes": decodes, "port": port,
+                 "dns": dns, "topology": topo}
+        # SERVING comes with the first decode worker (it can serve alone); wait until the
+        # router has seen every worker up, so the first request is disaggregated.
+        deadline = time.monotonic() + 60
+        while _up(scale, "prefill") < 1 or _up(scale, "decode") < 3:
+            assert time.monotonic() < deadline, _metrics(scale)
+            time.sleep(0.2)
+        wait_healthy(router, topo.procs[-1], timeout=30)  # and has paired them
+        yield scale
     finally:
         topo.stop()
         dns.close()
@@ -74,6 +84,10 @@ def test_a_prefix_held_by_a_decode_worker_is_prefilled_there(scale, offline):
     assert t.expected_cached_blocks * 16 == usage.cached_tokens
     assert [joined(first), joined(second)] == [(w.token_ids, w.text) for w in want]
     assert all_free_within([scale["prefill"], *scale["decodes"]], 5.0)
+    metrics = _metrics(scale)
+    assert _value(metrics, "baton:local_prefills_total") == 1
+    assert _value(metrics, "baton:routed_expected_cached_blocks_total") == \
+        t.expected_cached_blocks
 
 
 def test_decode_workers_come_and_go_behind_one_name_and_no_request_fails(scale, offline):
@@ -117,6 +131,28 @@ def test_decode_workers_come_and_go_behind_one_name_and_no_request_fails(scale, 
             t.join(timeout=120)
     assert failures == []
     assert served[0] >= 8
+    assert _up(scale, "decode") == 3  # 127.0.0.1, .3 and .4
     print(f"the router used the new decode worker {followed:.1f}s after its DNS record")
     assert all_free_within([scale["prefill"], f"127.0.0.1:{port}", f"127.0.0.3:{port}", new],
                            5.0)
+
+
+def _metrics(scale) -> str:
+    http = scale["topology"].http[scale["router"]]
+    return httpx.get(f"http://{http}/metrics", timeout=10).text
+
+
+def _value(text: str, name: str) -> float:
+    """The sum of a metric's samples (`name` may carry its labels)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _up(scale, role: str) -> float:
+    """The router's count of `role` workers up (its baton:workers gauge)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in _metrics(scale).splitlines()
+               if line.startswith("baton:workers{") and f'role="{role}"' in line
+               and 'state="up"' in line)
