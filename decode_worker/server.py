@@ -177,7 +177,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         """The request's outputs as DecodeResponses; its part of the trace as spans: the
         pull (or queue and prefill, when it computed the prompt itself), then decode."""
         local = on_output is None  # no KV handle: this worker computes the prompt
-        first, parent, decode = True, tracing.extract(_metadata(context)), None
+        first, parent, decode = True, tracing.extract(context.invocation_metadata()), None
         try:
             async for out in self.aengine.generate(rid, add):
                 if on_output is not None:
@@ -202,10 +202,6 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         finally:
             if decode is not None:
                 decode.end()
-
-
-def _metadata(context):
-    return context.invocation_metadata() if context is not None else ()
 
 
 def serve(config: WorkerConfig) -> None:

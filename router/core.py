@@ -40,12 +40,12 @@ from router.lease import PrefillLease
 from router.metrics import RouterMetrics
 from router.registry import Registry
 from services.serving import tracing
+from services.serving.convert import FINISH_NAME
 from services.serving.errors import Overloaded, Unavailable
 from services.serving.server import status_of
 
 log = logging.getLogger(__name__)
-FINISHED = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
-            gen.FINISH_REASON_ABORT: "abort"}
+FINISHED = ("stop", "length", "abort")
 
 
 @dataclass
@@ -176,15 +176,16 @@ class Router:
                             m.labels(m.local_prefills).inc()
                         m.labels(m.expected_cached).inc(reply.timings.expected_cached_blocks)
                     elif n:
+                        itl, gap = m.labels(m.itl), (now - last) / n
                         for _ in range(n):
-                            m.labels(m.itl).observe((now - last) / n)
+                            itl.observe(gap)
                     if n:
                         last = now
                         generated += n
                     if reply.timings.kv_transfer_s:
                         m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
                     if reply.delta.finish_reason:
-                        outcome = FINISHED.get(reply.delta.finish_reason, "abort")
+                        outcome = FINISH_NAME.get(reply.delta.finish_reason) or "abort"
                     yield reply
         except Exception as e:
             outcome = status_of(e)[0].name
@@ -193,7 +194,7 @@ class Router:
         finally:
             self.inflight -= 1
             m.labels(m.inflight).set(self.inflight)
-            if outcome in FINISHED.values():
+            if outcome in FINISHED:
                 m.labels(m.success, finished_reason=outcome).inc()
                 m.labels(m.e2e).observe(time.monotonic() - t0)
                 m.labels(m.generation_tokens).observe(generated)
@@ -272,12 +273,8 @@ class Router:
         overloaded, m = None, self.metrics
         while True:
             try:
-                if local is not None and local.state == "up":
-                    worker, paired = local, False
-                    worker.routed += 1
-                else:
-                    worker, paired = self.registry.pick_decode(lease.engine_id, exclude,
-                                                               reply.blocks)
+                worker, paired = self.registry.pick_decode(lease.engine_id, exclude,
+                                                           reply.blocks, prefer=local)
             except LookupError as e:
                 if overloaded is not None:
                     raise overloaded.as_service_error("every decode worker is full") from None

@@ -5,8 +5,9 @@ A worker's cost for a prompt, in tokens of work:
     cost = kv_weight * (prompt tokens it does not hold)  +  load_weight * load
 
 where "holds" is the leading blocks its prefix cache has (router/kv_index.py) and load
-is the registry's score ((waiting + routed since the last poll) * 4 + running). A prefill
-worker that holds the prefix computes less; a decode worker that holds it pulls less.
+is the registry's score ((waiting + loading + routed since the last poll) * 4 + running).
+A prefill worker that holds the prefix computes less; a decode worker that holds it pulls
+less.
 With kv_weight 0 this is load-only routing. The lowest cost wins; the defaults are
 measured on W4 (docs/benchmarks.md).
 

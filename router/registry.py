@@ -172,8 +172,8 @@ class Registry:
         """Poll every worker, start the handshakes of new pairs, and say if readiness
         changed. Handshakes run in the background: a slow one never delays the polls
         that notice a dead or frozen worker."""
-        # Retired workers too: one that froze must still fail its calls in flight.
-        await asyncio.gather(*(self._poll(w) for w in self.workers + self.retired))
+        await asyncio.gather(*(self._poll(w) for w in self.workers),
+                             *(self._poll_retired(w) for w in self.retired))
         by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
         for d in self.decode:
             if d.state != "up":
@@ -202,9 +202,6 @@ class Registry:
             stats = await w.client.stats(timeout=self.worker_timeout_s)
         except WorkerError as e:
             # Refused at once (dead), or no answer within worker_timeout_s (frozen).
-            if w.state == "retired":
-                w.client.fail_inflight()
-                return
             if w.state != "down":
                 if w.state != "unknown":
                     log.warning("%s worker %s is down: %s", w.role, w.address, e.code.name)
@@ -216,9 +213,6 @@ class Registry:
             w.pairs.clear()  # a decode worker's handshakes died with its old engine
             w.index.reset()  # and its cache with it
             w.kv_events = True  # the new one may answer them
-        if w.state == "retired":  # polled only so that a frozen one fails its calls
-            w.last_seen = time.monotonic()
-            return
         state = "draining" if stats.draining else "up"
         if state != w.state:
             log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
@@ -230,6 +224,13 @@ class Registry:
             for d in self.decode:
                 for eid in [e for e in d.pairs if e not in live]:
                     del d.pairs[eid]
+
+    async def _poll_retired(self, w: Worker) -> None:
+        """A retired worker is polled only so that, frozen, it still fails its calls."""
+        try:
+            await w.client.stats(timeout=self.worker_timeout_s)
+        except WorkerError:
+            w.client.fail_inflight()
 
     async def _kv_events(self, w: Worker) -> None:
         try:
@@ -289,18 +290,23 @@ class Registry:
         return best if self.policy.local_prefill(best, prompt) else None
 
     def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset(),
-                    prompt: PromptBlocks | None = None) -> tuple[Worker, bool]:
+                    prompt: PromptBlocks | None = None, prefer: Worker | None = None
+                    ) -> tuple[Worker, bool]:
         """The cheapest decode worker for `prompt` that takes new requests, not in
-        `exclude`, and whether it has paired with prefill engine `engine_id` (so it can
-        pull a handle from there). Paired workers first; with none paired, any (it will
-        recompute the prompt). LookupError says why there is none."""
+        `exclude` (`prefer`, if it still takes them), and whether it has paired with
+        prefill engine `engine_id` (so it can pull a handle from there). Paired workers
+        first; with none paired, any (it will recompute the prompt). LookupError says why
+        there is none."""
         decodes = [d for d in self.decode if d.state == "up" and d.address not in exclude]
         if not decodes:
             tried = f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""
             raise LookupError("no decode worker can take the request: "
                               + _states(self.decode) + tried)
         paired = [d for d in decodes if engine_id and d.pairs.get(engine_id, "") is None]
-        d = min(paired or decodes, key=lambda w: self.policy.cost(w, prompt))
+        if prefer in decodes and (prefer in paired or not paired):
+            d = prefer
+        else:
+            d = min(paired or decodes, key=lambda w: self.policy.cost(w, prompt))
         d.routed += 1
         return d, bool(paired)
 

@@ -29,6 +29,7 @@ from router.openai.render import Choice, Renderer, error_body, param_of
 from router.openai.runs import Run
 from services.serving import tracing
 from services.serving.errors import InvalidArgument, Overloaded, ServiceError
+from services.serving.metrics import union
 from services.serving.security import Security
 from services.serving.server import Lifecycle, status_of
 
@@ -74,14 +75,15 @@ class Guard:
             refusal = error_body(grpc.StatusCode.UNAVAILABLE, "draining: no new requests")
         if refusal is not None:
             return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
-        body, more = [], True  # read (and bound) the body before the app parses it
+        body, size, more = [], 0, True  # read (and bound) the body before the app parses it
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return
             body.append(message.get("body", b""))
+            size += len(body[-1])
             more = message.get("more_body", False)
-            if sum(len(b) for b in body) > MAX_BODY_BYTES:
+            if size > MAX_BODY_BYTES:
                 body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} "
                                   "bytes")[1]
                 return await JSONResponse(body, status_code=413)(scope, receive, send)
@@ -132,7 +134,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
 
     @app.get("/metrics")
     async def metrics():
-        text = b"".join(generate_latest(r) for r in (router.metrics.registry, *registries))
+        text = generate_latest(union([router.metrics.registry, *registries]))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

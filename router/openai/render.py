@@ -3,15 +3,15 @@ each endpoint's own shape, usage with cached prompt tokens, and errors."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
 from baton.v1 import generation_pb2 as gen
+from services.serving.convert import FINISH_NAME
 
-FINISH = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
-          gen.FINISH_REASON_ABORT: "abort"}
 # A status code as an HTTP status and OpenAI's error type.
 HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
         grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -62,7 +62,7 @@ class Choice:
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.finish_reason:
-            self.finish_reason = FINISH.get(d.finish_reason, "abort")
+            self.finish_reason = FINISH_NAME.get(d.finish_reason) or "abort"
             which = d.WhichOneof("stop_reason")
             self.stop_reason = getattr(d, which) if which else None
         if reply.HasField("usage"):
@@ -112,7 +112,8 @@ class Renderer:
                                    "bytes": list(self.token_text(i).encode())}
                                   for i, v in top]} for t, lp, top in rows]}
         tokens = [self.token_text(t) for t, _, _ in rows]
-        offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0)
+                       )[:len(tokens)]
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
                 "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in rows],
                 "text_offset": offsets}  # from the start of these tokens' text
@@ -138,7 +139,7 @@ class Renderer:
         body = self._head(chunk=True)
         choice = {"index": index, "logprobs": self.logprobs(list(d.logprobs),
                                                            list(d.token_ids), want_top),
-                  "finish_reason": FINISH.get(d.finish_reason) if d.finish_reason else None}
+                  "finish_reason": FINISH_NAME.get(d.finish_reason) if d.finish_reason else None}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {
                 "content": d.text}

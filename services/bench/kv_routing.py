@@ -17,27 +17,14 @@ import asyncio
 import os
 import statistics
 import sys
-import time
 
-import grpc
-
-from baton.v1 import generation_pb2 as gen
-from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.bench.serve import kv_shape, pct, warm_up
+from services.bench.serve import kv_shape, pct, run_load, warm_up, worker_stats
 from services.bench.workloads import make_workload
 from services.serving.processes import spawn, stop_all, wait_healthy
 
 PREFILL, DECODES, ROUTER = "127.0.0.1:50361", ("127.0.0.1:50371", "127.0.0.1:50372"), \
     "127.0.0.1:50351"
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_blocks_pulled",
-            "num_generation_tokens")
-
-
-def stats(address: str) -> wk.GetStatsResponse:
-    with grpc.insecure_channel(address) as channel:
-        return wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest(), timeout=10)
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_blocks_pulled")
 
 
 def start(routing: str, threads: int, router_flags: list[str]) -> list:
@@ -58,53 +45,24 @@ def start(routing: str, threads: int, router_flags: list[str]) -> list:
         raise
 
 
-async def load(prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    ttft, local, tokens = [], 0, 0
-    queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    params = gen.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    async with grpc.aio.insecure_channel(ROUTER) as channel:
-        stub = gen_grpc.GenerationStub(channel)
-
-        async def client():
-            nonlocal local, tokens
-            while not queue.empty():
-                ids = queue.get_nowait()
-                t0, first = time.perf_counter(), True
-                req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=params)
-                async for msg in stub.Generate(req, timeout=600):
-                    if first and msg.delta.token_ids:
-                        ttft.append(time.perf_counter() - t0)
-                        first = False
-                    tokens += len(msg.delta.token_ids)
-                    if msg.delta.finish_reason:
-                        local += msg.timings.local_prefill
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        seconds = time.perf_counter() - t0
-    return {"ttft": ttft, "local": local, "tokens": tokens, "seconds": seconds}
-
-
 def measure(routing: str, args) -> dict:
     procs = start(routing, args.threads, args.router_flags)
     try:
         asyncio.run(warm_up(ROUTER))
         vocab, _, block_bytes = kv_shape(DECODES[0])
         wl = make_workload("w4", vocab)
-        before = [stats(d) for d in DECODES]
-        r = asyncio.run(load(wl.prompts, wl.output_len, args.concurrency))
-        after = [stats(d) for d in DECODES]
+        before = [worker_stats(d) for d in DECODES]
+        r = asyncio.run(run_load(ROUTER, wl.prompts, wl.output_len, args.concurrency))
+        after = [worker_stats(d) for d in DECODES]
     finally:
         stop_all(procs)
     delta = {k: sum(getattr(a, k) - getattr(b, k) for a, b in zip(after, before, strict=True))
              for k in COUNTERS}
-    return {"mode": routing, "ttft": r["ttft"], "tok_s": r["tokens"] / r["seconds"],
+    return {"mode": routing, "ttft": r.ttft, "tok_s": r.tokens / r.seconds,
             "hit_rate": delta["prefix_cache_hits"] / max(1, delta["prefix_cache_queries"]),
-            "local_share": r["local"] / len(wl.prompts),
+            "local_share": r.local_prefills / len(wl.prompts),
             "kv_gb": delta["num_blocks_pulled"] * block_bytes / 1e9,
-            "ttft_p50_ms": 1000 * pct(r["ttft"], 50), "ttft_p99_ms": 1000 * pct(r["ttft"], 99)}
+            "ttft_p50_ms": 1000 * pct(r.ttft, 50), "ttft_p99_ms": 1000 * pct(r.ttft, 99)}
 
 
 def line(x: dict) -> str:
@@ -156,6 +114,7 @@ def main() -> None:
         def med(mode, key):
             return statistics.median(x[key] for x in rows if x["mode"] == mode)
         print(f"kv/load: hit rate {med('kv', 'hit_rate') / max(1e-9, med('load', 'hit_rate')):.2f}x"
+              f", KV moved {med('kv', 'kv_gb') / max(1e-9, med('load', 'kv_gb')):.2f}x"
               f", throughput {med('kv', 'tok_s') / med('load', 'tok_s'):.2f}x, TTFT p50 "
               f"{med('kv', 'ttft_p50_ms') / med('load', 'ttft_p50_ms'):.2f}x, p99 "
               f"{med('kv', 'ttft_p99_ms') / med('load', 'ttft_p99_ms'):.2f}x", file=sys.stderr)

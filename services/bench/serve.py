@@ -45,6 +45,7 @@ class Result:
     kv_bytes: list[int] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    local_prefills: int = 0  # requests whose decode worker computed the prompt itself
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -72,7 +73,7 @@ async def run_load(address: str, prompts: list[list[int]], output_len: int, conc
                 req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=params)
                 async for msg in stub.Generate(req, timeout=600):
                     now = time.perf_counter()
-                    if n == 0:
+                    if n == 0 and msg.delta.token_ids:
                         res.ttft.append(now - t0)
                     elif msg.delta.token_ids:
                         k = len(msg.delta.token_ids)
@@ -82,6 +83,7 @@ async def run_load(address: str, prompts: list[list[int]], output_len: int, conc
                     n += len(msg.delta.token_ids)
                     if msg.delta.finish_reason:
                         t = msg.timings
+                        res.local_prefills += t.local_prefill
                         res.prefill.append(t.prefill_s)
                         if t.kv_transfer_s > 0:
                             res.transfer.append(t.kv_transfer_s)
@@ -205,10 +207,14 @@ def compare_apis(args) -> None:
           f"tok/s = {h / g:.3f}", file=sys.stderr)
 
 
+def worker_stats(worker: str) -> wk.GetStatsResponse:
+    with grpc.insecure_channel(worker) as channel:
+        return wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest(), timeout=10)
+
+
 def kv_shape(worker: str) -> tuple[int, int, int]:
     """(vocab size, block size, bytes per block) as the serving worker reports them."""
-    with grpc.insecure_channel(worker) as channel:
-        st = wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest(), timeout=10)
+    st = worker_stats(worker)
     lay = st.layout
     layout = KVLayout(model=lay.model, dtype=lay.dtype, block_size=lay.block_size,
                       num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,

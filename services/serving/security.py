@@ -43,7 +43,6 @@ class Security:
     def __init__(self, service: ServiceConfig, api_keys: tuple[str, ...] = ()):
         self.cert, self.key = _read(service.tls_cert), _read(service.tls_key)
         self.ca = _read(service.tls_ca)
-        self.cert_file, self.key_file = service.tls_cert, service.tls_key
         self.api_keys = api_keys
 
     @staticmethod

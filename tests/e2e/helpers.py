@@ -60,3 +60,14 @@ def all_free_within(addresses: list[str], seconds: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples in `text` that carry every label given."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
+                all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -12,7 +12,7 @@ import pytest
 
 from baton.v1 import generation_pb2 as gen
 from services.engine import SamplingParams
-from tests.e2e.helpers import greedy, joined, run, stats
+from tests.e2e.helpers import greedy, joined, metric_value, run, stats
 
 MESSAGES = [{"role": "user", "content": "Name three rivers of Europe."}]
 PROMPT = "The three largest cities of Italy are"
@@ -134,20 +134,13 @@ def test_models_health_and_metrics_that_move(topology, http, client, model):
     for name in ("baton:time_to_first_token_seconds_count",
                  "baton:e2e_request_latency_seconds_count",
                  "baton:request_generation_tokens_count"):
-        assert _value(after, name) > _value(before, name), name
+        assert metric_value(after, name) > metric_value(before, name), name
     for role in ("prefill", "decode"):
         text = httpx.get(f"http://{topology['topology'].metrics[topology[role]]}/metrics",
                          timeout=10).text
-        assert _value(text, "baton:kv_cache_usage_perc") >= 0
-        assert _value(text, "baton:generation_tokens_total") > 0
-
-
-def _value(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        assert "baton:kv_cache_usage_perc{" in text
+        assert 0 <= metric_value(text, "baton:kv_cache_usage_perc") <= 1
+        assert metric_value(text, "baton:generation_tokens_total") > 0
 
 
 def test_a_client_that_disconnects_frees_every_block(topology, http, model):
@@ -159,6 +152,8 @@ def test_a_client_that_disconnects_frees_every_block(topology, http, model):
         for n, _ in enumerate(r.iter_lines()):
             if n == 4:
                 break
+        else:
+            pytest.fail("the stream ended before the client left")
     assert both_free_within(topology, 2.0)
     # Whole (not streamed), and gone before the first token: the prompt is long, n is 2.
     body = {"model": model, "prompt": "Tell a story. " * 1000, "max_tokens": 400, "n": 2,

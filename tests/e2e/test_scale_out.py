@@ -18,7 +18,7 @@ from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.serving.processes import wait_healthy
 from services.serving.sampling_params import SamplingParams
 from tests.dns_server import DnsServer
-from tests.e2e.helpers import all_free_within, greedy, joined, run, stats
+from tests.e2e.helpers import all_free_within, greedy, joined, metric_value, run, stats
 from tests.e2e.topology import Topology, channel, free_port
 
 NAME = "decode.baton.test"
@@ -85,8 +85,8 @@ def test_a_prefix_held_by_a_decode_worker_is_prefilled_there(scale, offline):
     assert [joined(first), joined(second)] == [(w.token_ids, w.text) for w in want]
     assert all_free_within([scale["prefill"], *scale["decodes"]], 5.0)
     metrics = _metrics(scale)
-    assert _value(metrics, "baton:local_prefills_total") == 1
-    assert _value(metrics, "baton:routed_expected_cached_blocks_total") == \
+    assert metric_value(metrics, "baton:local_prefills_total") == 1
+    assert metric_value(metrics, "baton:routed_expected_cached_blocks_total") == \
         t.expected_cached_blocks
 
 
@@ -142,17 +142,6 @@ def _metrics(scale) -> str:
     return httpx.get(f"http://{http}/metrics", timeout=10).text
 
 
-def _value(text: str, name: str) -> float:
-    """The sum of a metric's samples (`name` may carry its labels)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _up(scale, role: str) -> float:
     """The router's count of `role` workers up (its baton:workers gauge)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in _metrics(scale).splitlines()
-               if line.startswith("baton:workers{") and f'role="{role}"' in line
-               and 'state="up"' in line)
+    return metric_value(_metrics(scale), "baton:workers", role=role, state="up")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from router.kv_index import PromptBlocks
 from tests.unit.router_fakes import cluster, expected, tokens
 
 BS = 16
@@ -89,6 +90,8 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tok):
             long = list(range(200, 240))
             assert tokens(await c.generate(long, 4)) == expected(long, 4)
             assert len(c.prefill[0].prefills) == 1  # only the long one
+            short, longer = c.decode[0].decodes
+            assert not short.HasField("handle") and longer.HasField("handle")
     asyncio.run(main())
 
 
@@ -117,6 +120,8 @@ def test_evicted_blocks_stop_attracting_requests(tok):
             (_, prompt), = _tenant_prompts(1, 1)
             c.prefill[1].cache(prompt)
             await asyncio.sleep(0.12)
+            p1 = next(w for w in c.registry.prefill if w.engine_id == "p1")
+            assert p1.index.match(PromptBlocks(prompt)) == 4  # the router saw them
             c.prefill[1].kv.cleared()  # evicted everything
             await asyncio.sleep(0.12)
             msgs = await c.generate(prompt, 4)
