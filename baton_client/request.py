@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 from baton.v1 import generation_pb2 as gen
@@ -30,16 +31,22 @@ def generate_request(
     logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
     include_stop_str_in_output: bool = False,
+    structured_output: gen.StructuredOutput | Mapping[str, object] | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
 ) -> gen.GenerateRequest:
     """A GenerateRequest. Exactly one of `prompt` (text), `token_ids` or `messages` (chat);
     an unset sampling field takes the server's default (max_tokens 16, temperature 1.0:
-    pass temperature=0 for greedy)."""
+    pass temperature=0 for greedy). `structured_output` constrains the output: a
+    StructuredOutput message or a dict with one key: {"json_schema": schema} (a dict or
+    its JSON text), {"json_object": True}, {"regex": "..."}, {"grammar": "<GBNF>"} or
+    {"choice": ["yes", "no"]}. A finish_reason of 'constraint' means it allowed no more."""
     sampling = {k: v for k, v in locals().items() if k in SAMPLING_FIELDS and v is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    if structured_output is not None:
+        sampling["structured_output"] = structured_of(structured_output)
     request = gen.GenerateRequest(sampling=gen.SamplingParams(**sampling),
                                   request_id=request_id, priority=priority,
                                   cache_salt=cache_salt)
@@ -51,6 +58,33 @@ def generate_request(
     else:
         request.chat.CopyFrom(chat_of(messages))
     return request
+
+
+def structured_of(value: gen.StructuredOutput | Mapping[str, object]) -> gen.StructuredOutput:
+    """A StructuredOutput message from itself or from a dict with exactly one of its
+    constraint fields (`choice` a list of strings); TypeError otherwise. The server checks
+    the content (a schema that is not JSON is INVALID_ARGUMENT)."""
+    if isinstance(value, gen.StructuredOutput):
+        if value.WhichOneof("constraint") is None:
+            raise TypeError("structured_output: no constraint set")
+        return value
+    keys = [f.name for f in gen.StructuredOutput.DESCRIPTOR.fields]
+    if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in keys:
+        raise TypeError(f"structured_output: a StructuredOutput or a dict with one key of "
+                        f"{keys}, got {value!r}")
+    (key, item), = value.items()
+    if key == "choice":
+        if isinstance(item, str) or not isinstance(item, Iterable):
+            raise TypeError(f"structured_output: choice must be a list of strings, got {item!r}")
+        return gen.StructuredOutput(choice=gen.Choices(choices=list(item)))
+    if key == "json_object":
+        if item is not True:
+            raise TypeError(f"structured_output: json_object must be True, got {item!r}")
+    elif key == "json_schema" and isinstance(item, Mapping):
+        item = json.dumps(item)  # a schema as a dict: sent as its JSON text
+    elif not isinstance(item, str):
+        raise TypeError(f"structured_output: {key} must be a string, got {item!r}")
+    return gen.StructuredOutput(**{key: item})
 
 
 def tokenize_request(text: str | None = None, *,

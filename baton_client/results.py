@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from baton.v1 import generation_pb2 as gen
 
 FINISH_NAME = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
-               gen.FINISH_REASON_ABORT: "abort"}
+               gen.FINISH_REASON_ABORT: "abort", gen.FINISH_REASON_CONSTRAINT: "constraint"}
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Timings:
 class Chunk:
     """One streamed response: the new tokens and text since the last one.
 
-    `finish_reason` is 'stop', 'length' or 'abort' on the last chunk, else None;
+    `finish_reason` is 'stop', 'length', 'abort' or 'constraint' (the structured output
+    allows no further token) on the last chunk, else None;
     `stop_reason` the stop string or stop token id that ended it, if one did.
     `logprobs`, when asked for: one {token_id: logprob} per new token, the sampled token
     first, then the top N. `usage` comes on the last chunk, `timings` on the first and last.

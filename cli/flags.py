@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from router.config import RouterConfig
-from services.engine.config import DTYPES, EngineConfig
+from services.engine.config import DTYPES, EngineConfig, SpecConfig
 from services.serving.config import ServiceConfig
 from services.worker.config import WorkerConfig
 
@@ -28,7 +28,7 @@ WORKERS = ("prefill", "decode", "colocated")
 ROUTERS = ("router", "colocated")
 DEFAULT_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071, "colocated": 50051}
 CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig,
-           "service": ServiceConfig}
+           "service": ServiceConfig, "spec": SpecConfig}
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,18 @@ FLAGS: list[Flag] = [
     _f("kv-load-failure-policy", ("decode",), "engine.kv_load_failure_policy",
        "decode: when a KV pull fails, prefill locally (recompute) or fail the request",
        choices=("recompute", "fail")),
+    _f("speculative-method", WORKERS, "spec.method",
+       "speculative decoding: ngram (prompt lookup) drafts, verified in one pass "
+       "(decode and colocated; default: off)", choices=("ngram",), optional=True),
+    _f("num-speculative-tokens", WORKERS, "spec.num_speculative_tokens",
+       "draft tokens per request and step", kind=int),
+    _f("ngram-min", WORKERS, "spec.ngram_min", "shortest n-gram the proposer matches",
+       kind=int),
+    _f("ngram-max", WORKERS, "spec.ngram_max", "longest n-gram the proposer matches",
+       kind=int),
+    _f("speculative-disable-by-batch-size", WORKERS, "spec.disable_batch_size",
+       "no drafts while more requests than this decode (the step is compute-bound)",
+       kind=int),
     # -- workers
     _f("engine-id", WORKERS, "worker.engine_id",
        "a name for this engine (default: its role); each start adds a random suffix"),
@@ -255,7 +267,7 @@ def values(ns: argparse.Namespace, flags: list[Flag], role: str) -> dict[str, di
         for config, field in flag.fills:
             if config == "router" and role not in ROUTERS:
                 continue
-            if config in ("engine", "worker") and role not in WORKERS:
+            if config in ("engine", "worker", "spec") and role not in WORKERS:
                 continue
             out[config][field] = value
     return out

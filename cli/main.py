@@ -62,10 +62,10 @@ def _serve(args, flags: list[Flag]) -> None:
         if role == "router" and not router.decode:
             fail("the router needs --decode addresses (and usually --prefill ones)")
         if role in WORKERS:
-            from services.engine.config import EngineConfig
+            from services.engine.config import EngineConfig, SpecConfig
             from services.worker.config import WorkerConfig
 
-            engine = EngineConfig(**given["engine"])
+            engine = EngineConfig(speculative=SpecConfig(**given["spec"]), **given["engine"])
             worker = dict(given["worker"])
             # Unique per start, so a restarted worker is never taken for its old self
             # (its pairs, its peers' NIXL metadata and its lease ids start anew).

@@ -123,6 +123,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             raise InvalidArgument("request_id: required")
         params = sampling_params(request.sampling)
         rid = request.request_id
+        await self.aengine.compile(params)
         if not request.HasField("handle"):
             # No handle: compute the prompt's KV here (no prefill worker could, or the
             # request migrates from a dead decode worker) and go on after its outputs.

@@ -50,6 +50,7 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         if not rid:
             raise InvalidArgument("request_id: required")
         prompt = list(request.prompt_token_ids)
+        await self.aengine.compile(params)
 
         def add(engine: LLMEngine):
             engine.add_request(prompt, params, request_id=rid, priority=request.priority,

@@ -45,7 +45,7 @@ from services.serving.errors import Overloaded, Unavailable
 from services.serving.server import status_of
 
 log = logging.getLogger(__name__)
-FINISHED = ("stop", "length", "abort")
+FINISHED = ("stop", "length", "abort", "constraint")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """OpenAI's request bodies (chat and completions), with vLLM's extensions, and what each
 becomes: one GenerateRequest per choice. Fields the engine cannot honour are refused
-(400, naming them), never silently dropped."""
+(400, naming them), never silently dropped. Structured output (response_format and
+vLLM's guided_* / structured_outputs) is read in structured.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.v1 import generation_pb2 as gen
+from router.openai.structured import structured_output
 from services.serving.convert import sampling_message
 from services.serving.errors import InvalidArgument
+from services.serving.sampling_params import StructuredOutput
 
 MAX_N = 128
 
@@ -62,14 +65,16 @@ class Common(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise InvalidArgument("logit_bias: not supported")
-        for name in ("tools", "functions", "response_format", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar", "structured_outputs"):
-            value = (self.model_extra or {}).get(name)
-            if value and not (name == "response_format" and value == {"type": "text"}):
+        for name in ("tools", "functions"):
+            if (self.model_extra or {}).get(name):
                 raise InvalidArgument(f"{name}: not supported yet")
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None, seed: int | None
-                 ) -> gen.SamplingParams:
+    def structured(self) -> StructuredOutput | None:
+        """The structured-output constraint (response_format, guided_*, ...), or None."""
+        return structured_output(self.model_extra or {})
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None, seed: int | None,
+                 structured: StructuredOutput | None = None) -> gen.SamplingParams:
         return sampling_message(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, seed=seed,
@@ -77,20 +82,22 @@ class Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             ignore_eos=self.ignore_eos or None, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output or None)
+            include_stop_str_in_output=self.include_stop_str_in_output or None,
+            structured=structured)
 
     def choices(self, prompts: list[dict], max_tokens: int | None, logprobs: int | None
                 ) -> list[gen.GenerateRequest]:
         """One request per prompt and choice, in OpenAI's order (prompt-major). A seeded
         request gives choice i the seed + i, so its choices differ and repeat."""
         base = uuid.uuid4().hex
+        structured = self.structured()
         out = []
         for p, prompt in enumerate(prompts):
             for i in range(self.n):
                 seed = None if self.seed is None else self.seed + i
+                sampling = self.sampling(max_tokens, logprobs, seed, structured)
                 out.append(gen.GenerateRequest(
-                    request_id=f"{base}-{p}-{i}", sampling=self.sampling(max_tokens, logprobs,
-                                                                          seed),
+                    request_id=f"{base}-{p}-{i}", sampling=sampling,
                     priority=self.priority, cache_salt=self.cache_salt or "", **prompt))
         return out
 

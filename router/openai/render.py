@@ -31,6 +31,15 @@ def error_body(code: grpc.StatusCode, message: str, param: str | None = None,
                               "code": err_code}}
 
 
+def finish_of(reason: str | None, stop_reason: str | int | None
+              ) -> tuple[str | None, str | int | None]:
+    """Baton's finish reason and stop reason as OpenAI's: "constraint" (the structured
+    output allows no further token) is an ordinary "stop" there, told by stop_reason."""
+    if reason == "constraint":
+        return "stop", "constraint"
+    return reason, stop_reason
+
+
 def param_of(message: str, chat: bool) -> str | None:
     """The request field an INVALID_ARGUMENT message names, in OpenAI's terms."""
     head, _, rest = message.partition(":")
@@ -125,7 +134,8 @@ class Renderer:
         return body
 
     def _choice(self, c: Choice, want_top: int) -> dict:
-        out = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        finish, stop_reason = finish_of(c.finish_reason, c.stop_reason)
+        out = {"index": c.index, "finish_reason": finish, "stop_reason": stop_reason,
                "logprobs": self.logprobs(c.logprobs, c.token_ids, want_top)}
         if self.chat:
             out["message"] = {"role": "assistant", "content": c.text}
@@ -139,7 +149,8 @@ class Renderer:
         body = self._head(chunk=True)
         choice = {"index": index, "logprobs": self.logprobs(list(d.logprobs),
                                                            list(d.token_ids), want_top),
-                  "finish_reason": FINISH_NAME.get(d.finish_reason) if d.finish_reason else None}
+                  "finish_reason": finish_of(FINISH_NAME.get(d.finish_reason), None)[0]
+                  if d.finish_reason else None}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {
                 "content": d.text}

@@ -9,6 +9,31 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (services/engine/spec_decode.py), vLLM's names; method None
+    is off. Above `disable_batch_size` running decodes no request drafts."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    disable_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r} and "
+                             f"{self.ngram_max!r}")
+        if self.disable_batch_size < 1:
+            raise ValueError("speculative disable_batch_size must be >= 1, got "
+                             f"{self.disable_batch_size!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """model None means the default model (SmolLM2-135M-Instruct GGUF).
 
@@ -34,8 +59,11 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
     kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
+    speculative: SpecConfig = SpecConfig()  # speculative decoding; off by default
 
     def __post_init__(self) -> None:
+        if self.speculative is None:
+            object.__setattr__(self, "speculative", SpecConfig())
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):

@@ -26,6 +26,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
+from services.engine.spec_decode import NgramProposer
+from services.engine.structured_output import GrammarCompiler
 from services.engine.tokenizer import load_tokenizer
 from services.serving.kv_events import KvEventLog
 from services.serving.sampling_params import SamplingParams
@@ -78,6 +80,10 @@ class LLMEngine:
                                    lease_timeout_s=config.kv_lease_timeout_s,
                                    load_failure_policy=config.kv_load_failure_policy)
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size,
+                                        tuple(model_config.eos_token_ids))
+        self.spec = (NgramProposer(config.speculative, self.max_model_len)
+                     if config.speculative.method is not None else None)
         self.model_info = ModelInfo(
             model=self.model_name, architecture=model_config.architecture,
             max_model_len=self.max_model_len, vocab_size=model_config.vocab_size,
@@ -144,6 +150,11 @@ class LLMEngine:
         if (len(outs) >= req.params.max_tokens
                 or req.num_prompt_tokens + len(outs) >= self.max_model_len):
             raise ValueError("nothing left to decode: max_tokens or max_model_len is reached")
+        if req.grammar is not None:
+            for i, t in enumerate(outs):
+                if not req.grammar.accept(t):
+                    raise ValueError(f"output token {t} (position {i}) does not fit the "
+                                     "structured output constraint")
         req.token_ids.extend(outs)
         req.remote = handle
         self._queue(req)
@@ -171,8 +182,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        return Request(request_id, token_ids, params, self.model_config.eos_token_ids,
-                       priority, cache_salt=cache_salt)
+        req = Request(request_id, token_ids, params, self.model_config.eos_token_ids,
+                      priority, cache_salt=cache_salt)
+        if params.structured is not None:
+            req.grammar = self.grammars.matcher(params.structured)  # ValueError if bad
+        return req
 
     def _queue(self, req: Request) -> None:
         self.scheduler.add_request(req)  # raises on a duplicate id, before anything else
@@ -251,7 +265,10 @@ class LLMEngine:
             num_leases_expired=s.leases.num_expired,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_prompt_tokens=s.num_prompt_tokens,
-            num_generation_tokens=s.num_generation_tokens)
+            num_generation_tokens=s.num_generation_tokens,
+            num_spec_drafts=self.spec.num_drafts if self.spec else 0,
+            num_spec_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
+            num_spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0)
 
     # ---- prefix cache ---------------------------------------------------------------
 
@@ -269,20 +286,43 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, update: an output for every request that got a
-        token or ended. Stale leases expire first."""
+        token or ended. Stale leases expire first; with speculative decoding, running
+        decodes propose their drafts before the schedule."""
         self.expire_leases()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = [self._output(req, [], "", self._detok[req.request_id])
                    for req in sched.finished]
         if not sched.scheduled:
             return outputs
         sampled = self.runner.execute(sched)
-        deltas = {rid: self._detok[rid].update([s.token_id]) for rid, s in sampled.items()}
-        stopped = {rid for rid in sampled if self._detok[rid].stop_matched is not None}
-        for req in self.scheduler.update(sched, sampled, stopped):
-            rid = req.request_id
-            outputs.append(self._output(req, [sampled[rid].token_id], deltas[rid],
-                                        self._detok[rid]))
+        deltas: dict[str, tuple[list[int], str]] = {}
+
+        def on_token(req: Request, token: int) -> RequestStatus | None:
+            ids, text = deltas.get(req.request_id, ([], ""))
+            detok = self._detok[req.request_id]
+            deltas[req.request_id] = (ids + [token], text + detok.update([token]))
+            if detok.stop_matched is not None:
+                return RequestStatus.FINISHED_STOPPED
+            if req.grammar is not None:
+                if not req.grammar.accept(token):
+                    return RequestStatus.FINISHED_CONSTRAINT
+                if req.grammar.terminated:
+                    return RequestStatus.FINISHED_STOPPED
+            return None
+
+        got = self.scheduler.update(sched, sampled, on_token)
+        if self.spec is not None:
+            for s in sampled.values():
+                self.spec.record(s.num_drafts, s.num_accepted)
+        for req in got:
+            ids, text = deltas[req.request_id]
+            outputs.append(self._output(req, ids, text, self._detok[req.request_id]))
+        for rid, s in sampled.items():  # ended by their constraint, without a token
+            if s.dead and rid not in deltas:
+                req = next(r for r, _ in sched.scheduled if r.request_id == rid)
+                outputs.append(self._output(req, [], "", self._detok[rid]))
         return outputs
 
     def _output(self, req: Request, new_ids: list[int], delta: str,

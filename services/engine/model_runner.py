@@ -17,10 +17,11 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphRunner
 from services.engine.model_config import ModelConfig
 from services.engine.models.llama import MODELS
-from services.engine.outputs import SampledToken
+from services.engine.outputs import SampledTokens
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow, to_device
 from services.engine.scheduler import SchedulerOutput
+from services.engine.structured_output import BatchMask
 from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler(gen)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        self.mask = BatchMask(model_config.vocab_size)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks the memory budget holds."""
@@ -128,36 +130,65 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        # Decodes sorted by length, so the attention kernel pads each group of them little.
-        entries = sched.scheduled
-        num_decodes = next((i for i, (_, n) in enumerate(entries) if n > 1), len(entries))
-        entries = (sorted(entries[:num_decodes], key=lambda e: e[0].num_computed_tokens)
-                   + entries[num_decodes:])
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledTokens]:
+        """Run the step. A request that reaches its last token samples; with draft
+        tokens (run after it), it samples at each draft position too and keeps the
+        drafts the model agrees with, plus one token (Sampler.sample)."""
+        # One attention row per prefill chunk and per decode token. A decode with k drafts
+        # is k + 1 one-token rows over the same blocks, row j at position start + j: the
+        # step writes every row's K/V before attention reads, so row j sees the drafts
+        # before it and no later one (a causal mask), and takes the batched decode path.
+        seqs: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            if req.spec_token_ids:
+                seqs += [(req, start + j, 1) for j in range(n)]
+            else:
+                seqs.append((req, start, n))
+        # Decodes first, sorted by length, so the attention kernel pads each group little.
+        decodes = sorted((e for e in seqs if e[2] == 1), key=lambda e: e[1])
+        seqs = decodes + [e for e in seqs if e[2] > 1]
+        num_decodes = len(decodes)
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         positions: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
-        for req, n in entries:
-            start = req.num_computed_tokens
-            ids.extend(req.token_ids[start:start + n])
+        row_at: dict[tuple[str, int], int] = {}  # (request, position) -> its logits row
+        for req, start, n in seqs:
+            if start < req.num_tokens:
+                ids.extend(req.token_ids[start:start + n])
+            else:  # a draft's row
+                ids.append(req.spec_token_ids[start - req.num_tokens])
             positions.extend(range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(sched.block_ids[req.request_id])
-            if start + n == req.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-                samplers.append(req)
+            if start + n >= req.num_tokens:
+                row_at[req.request_id, start + n - 1] = qsl[-1] - 1
+        # Rows that sample, per request in schedule order: its last token's, then one
+        # per draft.
+        sample_rows: list[int] = []
+        samplers: list[tuple[Request, int]] = []  # (request, its first row in the logits)
+        grammar_jobs = []
+        for req, _ in sched.scheduled:
+            last = req.num_tokens - 1
+            if (req.request_id, last) not in row_at:
+                continue
+            drafts = req.spec_token_ids
+            if req.grammar is not None:
+                grammar_jobs.append((req.grammar, len(sample_rows), drafts))
+            samplers.append((req, len(sample_rows)))
+            sample_rows += [row_at[req.request_id, last + j] for j in range(len(drafts) + 1)]
+        # The constraints' masks fill while the model runs.
+        pending = self.mask.start(len(sample_rows), grammar_jobs)
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
         # Token t of request r lives in slot table[r, pos // bs] * bs + pos % bs.
-        owner = torch.repeat_interleave(torch.arange(len(entries)),
-                                        torch.tensor([n for _, n in entries]))
+        owner = torch.repeat_interleave(torch.arange(len(seqs)),
+                                        torch.tensor([n for _, _, n in seqs]))
         slots = table[owner, pos // bs].long() * bs + pos % bs
         input_ids = torch.tensor(ids, dtype=torch.long)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
@@ -165,11 +196,11 @@ class ModelRunner:
             table, pos, slots, input_ids, seq_lens_t = (
                 t.pin_memory() for t in (table, pos, slots, input_ids, seq_lens_t))
         # Rows to sample, sent before the forward pass so nothing waits for it.
-        every_row = len(sample_rows) == len(ids)
+        every_row = sample_rows == list(range(len(ids)))
         rows_t = None if every_row else to_device(sample_rows, torch.long, dev)
 
-        if (self.graphs is not None and num_decodes == len(entries)
-                and len(entries) <= self.graphs.max_batch):
+        if (self.graphs is not None and num_decodes == len(seqs)
+                and len(seqs) <= self.graphs.max_batch):
             hidden = self.graphs.run(input_ids, pos, slots, seq_lens_t, table)
         else:
             meta = AttentionMetadata(
@@ -181,10 +212,10 @@ class ModelRunner:
                 query_start_loc_cpu=qsl,
                 seq_lens_cpu=seq_lens,
                 max_seq_len=max(seq_lens),
-                max_query_len=max(n for _, n in entries),
+                max_query_len=max(n for _, _, n in seqs),
                 decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
                 num_shared_blocks=count_shared_blocks(table, seq_lens[:num_decodes], bs),
-                num_shared_prefill_blocks=_shared_prefill_blocks(entries, num_decodes, table,
+                num_shared_prefill_blocks=_shared_prefill_blocks(seqs, num_decodes, table,
                                                                  bs),
             )
             hidden = self.model(input_ids.to(dev, non_blocking=True),
@@ -192,28 +223,47 @@ class ModelRunner:
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden if every_row else hidden[rows_t])
-        rows = [SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids)
-                for r in samplers]
+        dead = set(self.mask.apply(logits, pending)) if pending is not None else set()
+        rows = []
+        for req, _ in samplers:
+            drafts = req.spec_token_ids
+            outs = req.output_token_ids
+            rows += [SamplingRow(req.params, req.generator, req.prompt_token_ids,
+                                 outs + drafts[:j], drafts[j] if j < len(drafts) else None)
+                     for j in range(len(drafts) + 1)]
         out = self.sampler(logits, rows)
-        result = {}
-        for j, req in enumerate(samplers):
-            lp = None
-            if req.params.logprobs is not None and out.logprobs is not None:
-                lp = {out.token_ids[j]: out.logprobs[j]}
-                lp.update(out.top_logprobs[j] if out.top_logprobs else ())
-            result[req.request_id] = SampledToken(out.token_ids[j], lp)
-        return result
+        return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}
 
 
-def _shared_prefill_blocks(entries, num_decodes: int, table: torch.Tensor,
+def _emitted(req: Request, first: int, out, dead: set[int]) -> SampledTokens:
+    """The tokens a request keeps from its rows: accepted drafts, then the token of the
+    first row that did not accept (or the last row). A row whose constraint allowed no
+    token ends the walk; at the first row, the request ends ("constraint")."""
+    k = len(req.spec_token_ids)
+    tokens, logprobs = [], []
+    for j in range(first, first + k + 1):
+        if j in dead:
+            break
+        tokens.append(out.token_ids[j])
+        if req.params.logprobs is not None and out.logprobs is not None:
+            lp = {out.token_ids[j]: out.logprobs[j]}
+            lp.update(out.top_logprobs[j] if out.top_logprobs else ())
+            logprobs.append(lp)
+        if j == first + k or not out.accepted[j]:
+            break
+    return SampledTokens(tokens, logprobs if req.params.logprobs is not None else None,
+                         num_drafts=k, dead=not tokens)
+
+
+def _shared_prefill_blocks(seqs, num_decodes: int, table: torch.Tensor,
                            block_size: int) -> int:
     """Blocks shared by the cached prefixes of the prefill chunks that have at least one
     cached block (the others take the plain paths; see kernels/torch_attn.py)."""
-    rows = [i for i, (r, _) in enumerate(entries) if i >= num_decodes
-            and r.num_computed_tokens >= block_size]
+    rows = [i for i, (_, start, _) in enumerate(seqs) if i >= num_decodes
+            and start >= block_size]
     if len(rows) < 2:
         return 0
-    prefix_lens = [entries[i][0].num_computed_tokens for i in rows]
+    prefix_lens = [seqs[i][1] for i in rows]
     return count_shared_blocks(table[rows], prefix_lens, block_size)
 
 

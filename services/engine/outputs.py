@@ -7,9 +7,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None  # the sampled token and the top N, if asked
+class SampledTokens:
+    """What one request drew in a step: without drafts, one token. With n draft tokens
+    verified, the accepted drafts and then one token sampled by the target model (so
+    1 to n + 1 tokens). Empty, with `dead`, when its constraint allowed no token."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per token: it and the top N, if asked
+    num_drafts: int = 0
+    dead: bool = False
+
+    @property
+    def num_accepted(self) -> int:
+        return max(0, len(self.token_ids) - 1) if self.num_drafts else 0
 
 
 @dataclass
@@ -20,7 +30,9 @@ class RequestOutput:
     text: str  # all output text so far (cut at a stop string)
     new_token_ids: list[int] = field(default_factory=list)  # this step's delta
     new_text: str = ""  # this step's text delta
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while going on
+    # "stop", "length", "abort", or "constraint" (the structured-output constraint allows
+    # no further token); None while going on
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled + top N
     num_cached_tokens: int = 0
@@ -67,6 +79,21 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which found cached
     num_prompt_tokens: int = 0  # prompt tokens computed here, since start
     num_generation_tokens: int = 0  # tokens sampled here, since start
+    # Speculative decoding, since start: requests-steps that carried drafts, the draft
+    # tokens proposed, and those accepted. Acceptance rate = accepted / draft tokens;
+    # mean accepted length = 1 + accepted / drafts (tokens per verified step).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / max(1, self.num_spec_draft_tokens)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens per verified request-step: the accepted drafts and the model's own."""
+        return 1 + self.num_spec_accepted_tokens / max(1, self.num_spec_drafts)
 
     @property
     def idle(self) -> bool:

@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_CONSTRAINT = "constraint"  # the structured-output constraint allows no token
 
     @property
     def finished(self) -> bool:
-        return self.value in ("prefilled", "stop", "length", "abort")
+        return self.value in ("prefilled", "stop", "length", "abort", "constraint")
 
 
 class Request:
@@ -59,6 +60,14 @@ class Request:
         self.lease_id: int | None = None
         self.remote: KVHandle | None = None
         self.error: str | None = None  # why an aborted request failed, if it did
+        # Structured output: the matcher of its constraint (services/engine/
+        # structured_output.py), in the state the output so far leaves it.
+        self.grammar = None
+        # Speculative decoding: draft tokens to verify in the next step (never part of
+        # token_ids: only those the target model accepts are appended), and the n-gram
+        # index over token_ids that proposes them.
+        self.spec_token_ids: list[int] = []
+        self.ngram_index = None
         # Timings (monotonic seconds): first scheduled, first token, remote KV load.
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None

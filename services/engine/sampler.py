@@ -22,12 +22,14 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # per-request generator when params.seed is set
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # for a draft position, with the drafts before it
+    draft_token: int | None = None  # the draft token this row verifies (spec decoding)
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # sampled token per row
+    token_ids: list[int]  # sampled token per row (a verified row: the draft if accepted)
+    accepted: list[bool] | None  # per row, whether its draft was accepted; None: no drafts
     logprobs: list[float] | None  # raw logprob of the sampled token per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # per row top-N (id, logprob); [] if unasked
 
@@ -146,14 +148,24 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """This step's tokens, on the logits' device, without reading any device value.
 
-        Without logprobs: token ids [B] (long). With them, one float64 tensor
-        [B, 2 + 2 * n_max]: token id, its logprob, the top n_max ids, their logprobs (ids
-        below 2**53 are exact in float64), so that one transfer brings everything over.
+        Without drafts or logprobs: token ids [B] (long). Otherwise one float64 tensor
+        [B, C]: the token id; with drafts, 1.0 where the row's draft was accepted; with
+        logprobs, the token's logprob, the top n_max ids and their logprobs (ids below
+        2**53 are exact in float64), so that one transfer brings everything over.
+
+        A row with a draft token d verifies it (speculative decoding; the proposer is
+        deterministic, so the draft distribution q is one-hot at d): greedy, d is
+        accepted iff it is the argmax. Otherwise d is accepted with probability
+        min(1, p(d) / q(d)) = p(d), and a rejected row draws from the residual
+        max(0, p - q) renormalized, which is p without d. Either way each emitted token
+        has exactly the target distribution p (rejection sampling, Leviathan et al.).
         """
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         want_n = [r.params.logprobs for r in rows]
         any_pen = any(r.params.has_penalties for r in rows)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        drafts = [r.draft_token for r in rows]
+        any_draft = any(d is not None for d in drafts)
         b, v = logits.shape
         dev = logits.device
         raw = logits.float() if random_idx or any_pen else logits
@@ -162,30 +174,61 @@ class Sampler:
             sampled = torch.empty(b, dtype=torch.long, device=dev)
         else:
             sampled = scores.argmax(dim=-1)  # greedy rows use no generator state
+        if any_draft:
+            draft_t = to_device([-1 if d is None else d for d in drafts], torch.long, dev)
+            accept = sampled == draft_t  # the greedy rule; random rows are set below
         if random_idx:
             sel = to_device(random_idx, torch.long, dev)
             sub_rows = [rows[i] for i in random_idx]
             sub = scores if len(random_idx) == b else scores.index_select(0, sel)
             probs = apply_filters(sub, [r.params for r in sub_rows]).softmax(dim=-1)
+            sub_drafts = [drafts[i] for i in random_idx]
+            if any(d is not None for d in sub_drafts):
+                d_t = to_device([0 if d is None else d for d in sub_drafts], torch.long, dev)
+                has = to_device([d is not None for d in sub_drafts], torch.bool, dev)
+                p_d = probs.gather(1, d_t[:, None])[:, 0]
+                u = torch.rand(len(sub_rows), device=self._noise_device(dev),
+                               generator=self.generator)
+                u = u if u.device == dev else to_device(u, u.dtype, dev)
+                acc = has & (u < p_d)
+                # The residual for a rejected draft: p with d removed (not renormalized:
+                # the exponential race below does not need it).
+                probs = probs.scatter(1, d_t[:, None],
+                                      torch.where(has[:, None], 0.0, p_d[:, None]))
             # Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) iid is a draw from p
             # (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is i with
             # probability p_i / sum p). Filtered tokens have p = 0 and can never win.
             tok = (probs / self._noise(sub_rows, v, dev)).argmax(dim=-1)
+            if any(d is not None for d in sub_drafts):
+                tok = torch.where(acc, d_t, tok)
+                accept = accept.index_copy(0, sel, acc)
             sampled = sampled.index_copy(0, sel, tok)
-        if all(n is None for n in want_n):
-            return sampled
-        logp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution
-        n_max = max(n for n in want_n if n is not None)
-        top_v, top_i = logp.topk(n_max, dim=-1)
-        return torch.cat([sampled[:, None].double(), logp.gather(1, sampled[:, None]).double(),
-                          top_i.double(), top_v.double()], dim=1)
+        cols = [sampled[:, None].double()]
+        if any_draft:
+            cols.append(accept[:, None].double())
+        if any(n is not None for n in want_n):
+            logp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution
+            n_max = max(n for n in want_n if n is not None)
+            top_v, top_i = logp.topk(n_max, dim=-1)
+            cols += [logp.gather(1, sampled[:, None]).double(), top_i.double(),
+                     top_v.double()]
+        return sampled if len(cols) == 1 else torch.cat(cols, dim=1)
+
+    def _noise_device(self, device: torch.device) -> torch.device:
+        return self.generator.device if self.generator is not None else device
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         host = self.sample(logits, rows).tolist()  # the step's one device->host transfer
         want_n = [r.params.logprobs for r in rows]
+        any_draft = any(r.draft_token is not None for r in rows)
+        if not any_draft and all(n is None for n in want_n):
+            return SamplerOutput(host, None, None, None)
+        accepted = [r[1] > 0.5 for r in host] if any_draft else None
+        tokens = [int(r[0]) for r in host]
         if all(n is None for n in want_n):
-            return SamplerOutput(host, None, None)
+            return SamplerOutput(tokens, accepted, None, None)
+        c = 2 if any_draft else 1  # the first logprob column
         n_max = max(n for n in want_n if n is not None)
-        top = [[(int(r[2 + j]), r[2 + n_max + j]) for j in range(n or 0)]
+        top = [[(int(r[c + 1 + j]), r[c + 1 + n_max + j]) for j in range(n or 0)]
                for r, n in zip(host, want_n, strict=True)]
-        return SamplerOutput([int(r[0]) for r in host], [r[1] for r in host], top)
+        return SamplerOutput(tokens, accepted, [r[c] for r in host], top)

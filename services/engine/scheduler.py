@@ -25,13 +25,14 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_transfer.base import KVReceiver
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_loader import RemoteKVLoader
 from services.engine.leases import LeaseTable
-from services.engine.outputs import SampledToken
+from services.engine.outputs import SampledTokens
 from services.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -157,10 +158,15 @@ class Scheduler:
         # 1. Running requests, in priority order, so a preemption victim is always taken
         #    from the end: the request that would have run last.
         self.running.sort(key=lambda r: r.sort_key(self.priority_policy))
+        #    A decode with draft tokens (speculative decoding) runs them after its last
+        #    token, as far as the budget lets it: they need KV slots like any token.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids:
+                req.spec_token_ids = req.spec_token_ids[:budget - n]
+                n += len(req.spec_token_ids)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -253,40 +259,55 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self.waiting.push(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
-               stopped_by_string: set[str]) -> list[Request]:
-        """Advance computed counts and append the sampled tokens. `sampled` holds the new
-        token of each request that caught up this step; `stopped_by_string` the ids whose
-        text now ends in a stop string (the detokenizer's finding). Returns the requests
-        that got a token; those that hit a stop condition are finished (their blocks
-        freed, or held under a lease for PREFILLED)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledTokens],
+               on_token: Callable[[Request, int], RequestStatus | None] | None = None
+               ) -> list[Request]:
+        """Advance computed counts and append the sampled tokens. `sampled` holds what
+        each request that caught up this step drew: one token, or accepted drafts and one
+        more (speculative decoding). Tokens are appended one at a time; after each,
+        `on_token(req, token)` (the engine's detokenizer and grammar) may end the request,
+        and so may the stop conditions; the tokens after that one are dropped. Returns
+        the requests that got a token; those that hit a stop condition are finished
+        (their blocks freed, or held under a lease for PREFILLED)."""
         got_token = []
         for req, n in out.scheduled:
             self.num_prompt_tokens += max(0, min(req.num_computed_tokens + n,
                                                  req.num_prompt_tokens)
                                           - req.num_computed_tokens)
-            req.num_computed_tokens += n
             s = sampled.get(req.request_id)
+            # Draft positions ran after the last real token; only the accepted ones have
+            # KV that counts. The rejected ones' slots are overwritten by the tokens that
+            # come next (and no block holding them was published: block hashes cover
+            # token_ids only).
+            drafts = max(0, req.num_computed_tokens + n - req.num_tokens)
+            req.spec_token_ids = []
+            req.num_computed_tokens += n - drafts + (s.num_accepted if s is not None else 0)
             if s is None:
                 continue  # a prefill chunk that has not reached the end yet
-            self.num_generation_tokens += 1
-            req.token_ids.append(s.token_id)
-            if req.params.logprobs is not None:
-                req.logprobs.append(s.logprobs or {})
+            if s.dead:
+                self._finish(req, RequestStatus.FINISHED_CONSTRAINT)
+                continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             got_token.append(req)
-            # A stop string wins over a length limit hit by the same token (as vLLM).
-            if req.request_id in stopped_by_string:
-                status = RequestStatus.FINISHED_STOPPED
-            else:
-                status = self._check_stop(req, s.token_id)
+            status = None
+            for i, token in enumerate(s.token_ids):
+                self.num_generation_tokens += 1
+                req.token_ids.append(token)
+                if req.params.logprobs is not None:
+                    req.logprobs.append(s.logprobs[i] if s.logprobs else {})
+                # A stop string wins over a length limit hit by the same token (as vLLM).
+                status = (on_token(req, token) if on_token is not None else None
+                          ) or self._check_stop(req, token)
+                if status is not None:
+                    break
             if status is None and req.kv_hold:
                 status = RequestStatus.PREFILLED
             if status is not None:

@@ -4,9 +4,11 @@ so it builds SamplingParams keyword arguments rather than the engine's class."""
 from __future__ import annotations
 
 from baton.v1 import generation_pb2 as gen
+from services.serving.sampling_params import StructuredOutput
 
 FINISH = {None: gen.FINISH_REASON_UNSPECIFIED, "stop": gen.FINISH_REASON_STOP,
-          "length": gen.FINISH_REASON_LENGTH, "abort": gen.FINISH_REASON_ABORT}
+          "length": gen.FINISH_REASON_LENGTH, "abort": gen.FINISH_REASON_ABORT,
+          "constraint": gen.FINISH_REASON_CONSTRAINT}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
 
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -25,20 +27,53 @@ def sampling_kwargs(msg: gen.SamplingParams) -> dict:
         kw["ignore_eos"] = True
     if msg.include_stop_str_in_output:
         kw["include_stop_str_in_output"] = True
+    if msg.HasField("structured_output"):
+        kw["structured"] = structured_of(msg.structured_output)
     return kw
 
 
 def sampling_message(**kw) -> gen.SamplingParams:
-    """The inverse, for clients: SamplingParams fields as keyword arguments."""
+    """The inverse, for clients: SamplingParams fields as keyword arguments
+    (`structured=` a StructuredOutput)."""
     msg = gen.SamplingParams()
     for name, value in kw.items():
         if value is None:
             continue
         if name in ("stop", "stop_token_ids"):
             getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        elif name == "structured":
+            msg.structured_output.CopyFrom(structured_message(value))
         else:
             setattr(msg, name, value)
     return msg
+
+
+def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
+    """The wire's constraint as the engine's; ValueError if none is set or it is malformed
+    (the checks are StructuredOutput's own)."""
+    which = msg.WhichOneof("constraint")
+    if which == "json_schema":
+        return StructuredOutput("json", msg.json_schema)
+    if which == "json_object":
+        if not msg.json_object:
+            raise ValueError("structured output json_object: must be true when set")
+        return StructuredOutput("json_object")
+    if which == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+    if which in ("regex", "grammar"):
+        return StructuredOutput(which, getattr(msg, which))
+    raise ValueError("structured output: no constraint set (json_schema, json_object, "
+                     "regex, grammar or choice)")
+
+
+def structured_message(so: StructuredOutput) -> gen.StructuredOutput:
+    if so.kind == "json":
+        return gen.StructuredOutput(json_schema=so.spec)
+    if so.kind == "json_object":
+        return gen.StructuredOutput(json_object=True)
+    if so.kind == "choice":
+        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices))
+    return gen.StructuredOutput(**{so.kind: so.spec})
 
 
 def logprobs_messages(logprobs: list[dict[int, float]]) -> list[gen.TokenLogprobs]:

@@ -2,10 +2,53 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 _EPS = 1e-5
+
+# The kinds of structured output, as vLLM's StructuredOutputsParams names them.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output: the engine masks every token that cannot continue it.
+
+    kind "json": `spec` is a JSON schema (as JSON text); "json_object": any JSON object
+    (`spec` empty); "regex": the output full-matches `spec`; "grammar": `spec` is an EBNF
+    grammar in GBNF form (root rule `root`); "choice": the output is one of `choices`.
+    Whether the engine can compile it is checked there (a ValueError naming the problem).
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+        if self.kind == "choice":
+            if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
+                raise ValueError("structured output choice: needs one or more non-empty "
+                                 "strings")
+        elif self.kind != "json_object" and not (isinstance(self.spec, str) and self.spec):
+            raise ValueError(f"structured output {self.kind}: empty")
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise ValueError(f"structured output json: not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured output json: a schema must be an object")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (its cache key)."""
+        return (self.kind, self.spec, self.choices)
 
 
 @dataclass(frozen=True)
@@ -17,6 +60,7 @@ class SamplingParams:
     seen in the prompt or output (divide if positive, multiply if negative);
     presence_penalty and frequency_penalty (0 = off) subtract from the logits of tokens
     already in the output, once and per occurrence.
+    `structured` constrains the output (JSON schema, regex, grammar, choice).
     `logprobs=N` returns the sampled token's logprob and the top N (of the raw model
     distribution, before any penalty or temperature).
     """
@@ -36,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so the object stays hashable/frozen.
@@ -76,6 +121,8 @@ class SamplingParams:
             )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:

@@ -59,6 +59,13 @@ class AsyncEngine:
         self._wake.set()
         return await asyncio.wrap_future(fut)
 
+    async def compile(self, params) -> None:
+        """Compile a request's structured-output constraint off the engine thread, so a
+        slow schema never stalls a step; the admit then finds it in the cache. Raises
+        ValueError (INVALID_ARGUMENT) if it cannot compile, before anything is queued."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+
     async def generate(self, request_id: str,
                        add: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
         """Add a request with `add(engine)` and yield its outputs until it finishes (or, on

@@ -37,6 +37,12 @@ COUNTERS = {
                               lambda s, block_bytes: s.num_blocks_pulled * block_bytes),
     "baton:kv_load_failures": ("Decode: pulls that failed (then recomputed or failed)",
                                lambda s, _: s.num_load_failures),
+    "baton:spec_decode_num_drafts": ("Speculative decoding: request-steps with drafts",
+                                     lambda s, _: s.num_spec_drafts),
+    "baton:spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens proposed",
+                                           lambda s, _: s.num_spec_draft_tokens),
+    "baton:spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted",
+                                              lambda s, _: s.num_spec_accepted_tokens),
 }
 
 

@@ -42,7 +42,9 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             draining=self.lifecycle.draining, num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
-            num_generation_tokens=s.num_generation_tokens)
+            num_generation_tokens=s.num_generation_tokens, num_spec_drafts=s.num_spec_drafts,
+            num_spec_draft_tokens=s.num_spec_draft_tokens,
+            num_spec_accepted_tokens=s.num_spec_accepted_tokens)
 
     async def GetKvEvents(self, request, context):
         engine = self.aengine.engine

@@ -14,7 +14,7 @@ import pytest
 from cli.flags import FLAGS, argv_for, values
 from cli.main import parse
 from router.config import RouterConfig
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, SpecConfig
 from services.serving.config import ServiceConfig
 from services.worker.config import WorkerConfig
 from tests.e2e.topology import ROOT
@@ -29,7 +29,7 @@ def _configs(role: str, *argv: str, env: dict | None = None, monkeypatch=None):
 
 def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
     configs = {"engine": EngineConfig(), "worker": WorkerConfig(), "router": RouterConfig(),
-               "service": ServiceConfig()}
+               "service": ServiceConfig(), "spec": EngineConfig().speculative}
     for flag in FLAGS:
         assert flag.env == "BATON_" + flag.name.upper().replace("-", "_")
         for config, field in flag.fills:  # one default, wherever the flag lands
@@ -104,6 +104,22 @@ def test_up_hands_the_workers_every_engine_flag():
                 engine.scheduling_policy) == (0.5, False, 3, "priority")
     assert "--kv-lease-timeout" in argv_for(args, flags, "prefill")
     assert "--kv-lease-timeout" not in argv_for(args, flags, "decode")
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    covered = {field for f in FLAGS for c, field in f.fills if c == "engine"}
-    assert engine_fields == covered, engine_fields - covered
+    # Every engine field has its flag (the speculative config: one flag per its field).
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}
+    engine_fields |= {f"spec.{f.name}" for f in dataclasses.fields(SpecConfig)}
+    covered = {field if c == "engine" else f"spec.{field}" for f in FLAGS
+               for c, field in f.fills if c in ("engine", "spec")}
+    assert engine_fields == covered, engine_fields ^ covered
+
+
+def test_speculative_flags_reach_the_engine_config(monkeypatch):
+    got = _configs("decode", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                   "--ngram-max", "5", "--speculative-disable-by-batch-size", "4",
+                   monkeypatch=monkeypatch)
+    spec = SpecConfig(**got["spec"])
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+            spec.disable_batch_size) == ("ngram", 3, 2, 5, 4)
+    assert SpecConfig(**_configs("decode", monkeypatch=monkeypatch)["spec"]).method is None
+    with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
+        SpecConfig(**_configs("decode", "--speculative-method", "ngram", "--ngram-min", "6",
+                              monkeypatch=monkeypatch)["spec"])

@@ -55,7 +55,7 @@ def test_completion_prompts_in_every_form_make_one_request_per_prompt_and_choice
 @pytest.mark.parametrize("body, field", [
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0]"),
 ])

@@ -9,7 +9,7 @@ import pytest
 from kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
 from services.engine.block_pool import BlockPool
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.outputs import SampledToken
+from services.engine.outputs import SampledTokens
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.serving.sampling_params import SamplingParams
@@ -68,9 +68,10 @@ def req(rid: str, n: int, max_tokens: int = 4, priority: int = 0, first: int = 1
 def step(s: Scheduler, token: int = 50, stopped: set[str] = frozenset()):
     """One step in which every request that catches up samples `token`."""
     out = s.schedule()
-    sampled = {r.request_id: SampledToken(token, None) for r, n in out.scheduled
+    sampled = {r.request_id: SampledTokens([token]) for r, n in out.scheduled
                if r.num_computed_tokens + n == r.num_tokens}
-    s.update(out, sampled, set(stopped))
+    s.update(out, sampled, lambda r, _: RequestStatus.FINISHED_STOPPED
+             if r.request_id in stopped else None)
     return out
 
 

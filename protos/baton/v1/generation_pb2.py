@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"3\n\rTokenLogprobs\x12\"\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x11.baton.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x92\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x05 \x01(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xc6\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x95\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\"9\n\x14GetModelInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe3\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xed\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x35\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1a.baton.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"3\n\rTokenLogprobs\x12\"\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x11.baton.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x92\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x05 \x01(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xc6\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x95\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\"9\n\x14GetModelInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_CONSTRAINT\x10\x04\x32\xe3\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2000
-  _globals['_FINISHREASON']._serialized_end=2120
+  _globals['_FINISHREASON']._serialized_start=2238
+  _globals['_FINISHREASON']._serialized_end=2388
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_CHATMESSAGES']._serialized_start=85
@@ -40,31 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=142
   _globals['_TOKENIDS']._serialized_end=165
   _globals['_SAMPLINGPARAMS']._serialized_start=168
-  _globals['_SAMPLINGPARAMS']._serialized_end=734
-  _globals['_GENERATEREQUEST']._serialized_start=737
-  _globals['_GENERATEREQUEST']._serialized_end=963
-  _globals['_LOGPROB']._serialized_start=965
-  _globals['_LOGPROB']._serialized_end=1009
-  _globals['_TOKENLOGPROBS']._serialized_start=1011
-  _globals['_TOKENLOGPROBS']._serialized_end=1062
-  _globals['_USAGE']._serialized_start=1064
-  _globals['_USAGE']._serialized_end=1144
-  _globals['_TIMINGS']._serialized_start=1147
-  _globals['_TIMINGS']._serialized_end=1293
-  _globals['_TOKENDELTA']._serialized_start=1296
-  _globals['_TOKENDELTA']._serialized_end=1494
-  _globals['_GENERATERESPONSE']._serialized_start=1497
-  _globals['_GENERATERESPONSE']._serialized_end=1640
-  _globals['_TOKENIZEREQUEST']._serialized_start=1642
-  _globals['_TOKENIZEREQUEST']._serialized_end=1725
-  _globals['_TOKENIZERESPONSE']._serialized_start=1727
-  _globals['_TOKENIZERESPONSE']._serialized_end=1764
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1766
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1787
-  _globals['_MODELINFO']._serialized_start=1790
-  _globals['_MODELINFO']._serialized_end=1939
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1941
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1998
-  _globals['_GENERATION']._serialized_start=2123
-  _globals['_GENERATION']._serialized_end=2350
+  _globals['_SAMPLINGPARAMS']._serialized_end=789
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=792
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=943
+  _globals['_CHOICES']._serialized_start=945
+  _globals['_CHOICES']._serialized_end=971
+  _globals['_GENERATEREQUEST']._serialized_start=974
+  _globals['_GENERATEREQUEST']._serialized_end=1200
+  _globals['_LOGPROB']._serialized_start=1202
+  _globals['_LOGPROB']._serialized_end=1246
+  _globals['_TOKENLOGPROBS']._serialized_start=1248
+  _globals['_TOKENLOGPROBS']._serialized_end=1299
+  _globals['_USAGE']._serialized_start=1301
+  _globals['_USAGE']._serialized_end=1381
+  _globals['_TIMINGS']._serialized_start=1384
+  _globals['_TIMINGS']._serialized_end=1530
+  _globals['_TOKENDELTA']._serialized_start=1533
+  _globals['_TOKENDELTA']._serialized_end=1731
+  _globals['_GENERATERESPONSE']._serialized_start=1734
+  _globals['_GENERATERESPONSE']._serialized_end=1877
+  _globals['_TOKENIZEREQUEST']._serialized_start=1879
+  _globals['_TOKENIZEREQUEST']._serialized_end=1962
+  _globals['_TOKENIZERESPONSE']._serialized_start=1964
+  _globals['_TOKENIZERESPONSE']._serialized_end=2001
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2003
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2024
+  _globals['_MODELINFO']._serialized_start=2027
+  _globals['_MODELINFO']._serialized_end=2176
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2178
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2235
+  _globals['_GENERATION']._serialized_start=2391
+  _globals['_GENERATION']._serialized_end=2618
 # @@protoc_insertion_point(module_scope)

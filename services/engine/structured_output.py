@@ -1,0 +1,204 @@
+"""Structured output: grammars compiled by xgrammar, one matcher per request, and the
+batch's allowed-token mask applied to the logits before sampling.
+
+    add_request:  compile(constraint) -> CompiledGrammar    (cached by its text)
+                  GrammarMatcher(compiled)  on the request   (its state: the output so far)
+    each step:    fill one bitmask row per sampling row of a constrained request (in a
+                  thread, while the forward pass runs); logits[row] = -inf where the bit is 0
+    after it:     the matcher accepts each emitted token; once it terminates, the request
+                  ends (finish reason "stop")
+
+The mask is 32 tokens per int32 word: bit (t % 32) of word t // 32 says token t may come
+next. Rows of requests without a constraint are never touched.
+
+xgrammar loads on the first constrained request; an engine that never sees one never
+imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from services.serving.sampling_params import StructuredOutput
+
+CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary; thread-safe (the workers
+    compile on the event loop's thread pool before the engine thread admits)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+
+    def _xgr(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def compile(self, constraint: StructuredOutput):
+        """The compiled grammar; ValueError naming the problem if it cannot compile."""
+        with self._lock:
+            hit = self._cache.get(constraint.key)
+            if hit is not None:
+                self._cache.move_to_end(constraint.key)
+                return hit
+        compiler = self._xgr()
+        try:
+            compiled = _compile(compiler, constraint)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and others
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(f"structured output {constraint.kind}: cannot compile: "
+                             f"{msg}") from None
+        with self._lock:
+            self._cache[constraint.key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, constraint: StructuredOutput) -> GrammarState:
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.compile(constraint)))
+
+
+def _compile(compiler, c: StructuredOutput):
+    import xgrammar as xgr
+
+    # Compact JSON (no free whitespace): small models left free to emit whitespace can
+    # emit it forever, and a parse does not care.
+    if c.kind == "json":
+        return compiler.compile_json_schema(c.spec, any_whitespace=False)
+    if c.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if c.kind == "regex":
+        return compiler.compile_regex(c.spec)
+    if c.kind == "choice":
+        alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in c.choices)
+        return compiler.compile_grammar(f"root ::= {alts}")
+    # "grammar": GBNF (xgrammar's EBNF); a Lark grammar, as vLLM's guidance backend
+    # takes, is read too. The EBNF error is reported when neither parses.
+    try:
+        return compiler.compile_grammar(c.spec)
+    except Exception as ebnf_error:  # noqa: BLE001
+        try:
+            return compiler.compile_grammar(xgr.Grammar.from_lark(c.spec))
+        except Exception:  # noqa: BLE001
+            raise ebnf_error from None
+
+
+class GrammarState:
+    """A request's matcher. `accept` takes emitted tokens; `terminated` says the
+    constraint is complete (a stop token was accepted)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` (draft tokens) the constraint allows; the
+        matcher's state is left as it was."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return tokens[:n]
+
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts): the mask now, then after each draft token
+        (drafts were cut to a valid prefix, so each is accepted)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        for j, t in enumerate(drafts):
+            self.matcher.accept_token(t)
+            self.matcher.fill_next_token_bitmask(bitmask, row + j + 1)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
+
+class BatchMask:
+    """The step's bitmask: filled in a background thread while the model runs, then
+    applied to the rows that have a constraint."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._bitmask = torch.zeros(0, self.words, dtype=torch.int32)
+        self.fill_s = self.apply_s = 0.0  # seconds spent, for the benchmark
+
+    def start(self, num_rows: int, jobs: list[tuple[GrammarState, int, list[int]]]
+              ) -> Future | None:
+        """Fill the rows of `jobs` (state, first row, drafts); None if there are none."""
+        if not jobs:
+            return None
+        if self._bitmask.shape[0] < num_rows:
+            # A normal tensor even when the step runs in inference mode: the filling
+            # thread writes it outside that mode.
+            with torch.inference_mode(False):
+                self._bitmask = torch.zeros(max(num_rows, 2 * self._bitmask.shape[0]),
+                                            self.words, dtype=torch.int32)
+        bitmask = self._bitmask
+
+        def fill() -> list[int]:
+            t0 = time.perf_counter()
+            rows = []
+            for state, row, drafts in jobs:
+                state.fill(bitmask, row, drafts)
+                rows.extend(range(row, row + len(drafts) + 1))
+            self.fill_s += time.perf_counter() - t0
+            return rows
+
+        return self._pool.submit(fill)
+
+    def apply(self, logits: torch.Tensor, pending: Future) -> list[int]:
+        """Mask the constrained rows of `logits` in place (-inf where not allowed).
+        Returns the rows whose mask allows no token at all (their logits are left
+        unmasked, so that sampling stays defined; the engine ends those requests)."""
+        rows = pending.result()
+        t0 = time.perf_counter()
+        # Little-endian words: byte j of word w holds tokens 32w + 8j ... 32w + 8j + 7,
+        # lowest bit first, which is numpy's bitorder="little".
+        words = self._bitmask[rows].numpy()
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :logits.shape[1]].view(np.bool_))
+        dead = ~allowed.any(dim=1)
+        if bool(dead.any()):
+            allowed[dead] = True
+        forbid = (~allowed).to(logits.device, non_blocking=True)
+        if rows == list(range(logits.shape[0])):
+            logits.masked_fill_(forbid, float("-inf"))
+        else:
+            idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(forbid, float("-inf"))
+        self.apply_s += time.perf_counter() - t0
+        return [r for r, d in zip(rows, dead.tolist(), strict=True) if d]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
