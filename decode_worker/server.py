@@ -123,8 +123,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             raise InvalidArgument("request_id: required")
         params = sampling_params(request.sampling)
         rid = request.request_id
-        await self.aengine.compile(params)
         if not request.HasField("handle"):
+            await self.aengine.compile(params)
             # No handle: compute the prompt's KV here (no prefill worker could, or the
             # request migrates from a dead decode worker) and go on after its outputs.
             def resume(engine: LLMEngine):
@@ -168,6 +168,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 self.peers.release_soon(handle)
 
         try:
+            await self.aengine.compile(params)  # a failure still releases the lease
             async with aclosing(self._stream(rid, add, context, release_once)) as replies:
                 async for reply in replies:
                     yield reply

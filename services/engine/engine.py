@@ -155,6 +155,9 @@ class LLMEngine:
                 if not req.grammar.accept(t):
                     raise ValueError(f"output token {t} (position {i}) does not fit the "
                                      "structured output constraint")
+            if req.grammar.terminated:
+                raise ValueError("nothing left to decode: the structured output constraint "
+                                 "is complete")
         req.token_ids.extend(outs)
         req.remote = handle
         self._queue(req)

@@ -168,6 +168,10 @@ class Scheduler:
                 req.spec_token_ids = req.spec_token_ids[:budget - n]
                 n += len(req.spec_token_ids)
             while not self.kv.allocate_slots(req, n):
+                if req.spec_token_ids:  # drafts are optional: drop them before preempting
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

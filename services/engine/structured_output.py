@@ -28,7 +28,7 @@ import torch
 
 from services.serving.sampling_params import StructuredOutput
 
-CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
+CACHE_SIZE = 64  # compiled grammars kept, least recently used first out
 
 
 class GrammarCompiler:
@@ -51,7 +51,9 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                # Our LRU below is the only cache: xgrammar's own would grow without
+                # bound with every distinct schema a long-running server sees.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
     def compile(self, constraint: StructuredOutput):
@@ -123,23 +125,34 @@ class GrammarState:
         """The longest prefix of `tokens` (draft tokens) the constraint allows; the
         matcher's state is left as it was."""
         n = 0
-        for t in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                break
-            n += 1
-        if n:
-            self.matcher.rollback(n)
+        try:
+            for t in tokens:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                    break
+                n += 1
+        finally:
+            if n:
+                self.matcher.rollback(n)
         return tokens[:n]
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows row .. row + len(drafts): the mask now, then after each draft token
-        (drafts were cut to a valid prefix, so each is accepted)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        for j, t in enumerate(drafts):
-            self.matcher.accept_token(t)
-            self.matcher.fill_next_token_bitmask(bitmask, row + j + 1)
-        if drafts:
-            self.matcher.rollback(len(drafts))
+        (drafts were cut to a valid prefix, so each is accepted). After a draft that
+        ends the constraint (a stop token) no token may follow: an empty row, which the
+        walk never reaches (the stop token ends the request)."""
+        accepted = 0
+        try:
+            for j in range(len(drafts) + 1):
+                if j:
+                    self.matcher.accept_token(drafts[j - 1])
+                    accepted += 1
+                if self.matcher.is_terminated():
+                    bitmask[row + j] = 0
+                else:
+                    self.matcher.fill_next_token_bitmask(bitmask, row + j)
+        finally:
+            if accepted:
+                self.matcher.rollback(accepted)
 
 
 class BatchMask:

@@ -284,3 +284,19 @@ def test_a_pull_that_never_lands_fails_and_its_blocks_wait_for_the_transport(mon
     s.schedule()
     assert not s.has_unfinished_requests()
     pool.check_all_free()
+
+
+def test_drafts_are_dropped_before_anything_is_preempted_for_them():
+    """Two running requests fill the pool; one drafts past its last block. Its drafts
+    go, nobody is preempted, and both decode."""
+    s, pool = make(num_blocks=1 + 2 * 2, budget=64)  # 4 usable blocks: 2 each
+    a, b = req("a", 2 * BS - 1, max_tokens=8), req("b", 2 * BS - 1, max_tokens=8, first=40)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefill and sample: each now holds 2 full blocks' worth of tokens
+    assert pool.num_free_blocks == 0
+    a.spec_token_ids = [7, 8, 9]  # would need a third block
+    out = step(s)
+    assert not out.preempted and s.num_preemptions == 0
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
+    assert a.spec_token_ids == []

@@ -132,9 +132,9 @@ def test_same_tokens_with_speculation_and_under_preemption(make_llm):
     so = StructuredOutput("json", json.dumps(schema))
     ps = [ask(plain, f"Describe {what} as JSON."), ask(plain, "Make a shopping list.")]
     ps += [p[:60] for p in ps]
-    ref = plain.generate(ps, constrained(so, 96))
+    ref = plain.generate(ps, constrained(so, 64))
     for other in (spec, tight):
-        got = other.generate(ps, constrained(so, 96))
+        got = other.generate(ps, constrained(so, 64))
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert tight.engine.stats().num_preemptions > 0
     assert spec.engine.stats().num_spec_accepted_tokens > 0
@@ -159,6 +159,9 @@ def test_a_resumed_request_rebuilds_its_matcher(llm, make_llm):
     bad = llm.engine.tokenizer.encode("hello", add_special_tokens=False)
     with pytest.raises(ValueError, match="does not fit the structured output"):
         other.engine.resume_request(p, bad, constrained(so, 64))
+    assert ref.token_ids[-1] in llm.engine.model_config.eos_token_ids
+    with pytest.raises(ValueError, match="the structured output constraint is complete"):
+        other.engine.resume_request(p, ref.token_ids, constrained(so, 200))
     assert_idle(other)
 
 
@@ -222,3 +225,22 @@ def test_the_mask_allows_exactly_what_xgrammars_own_kernel_allows():
     assert mask.apply(logits, done) == [3]
     assert torch.equal(logits[:3], want[:3])
     assert torch.isfinite(logits[3]).all()  # a dead row is left as it was
+
+
+def test_a_drafted_stop_token_ends_the_drafts_it_can_verify(llm):
+    """The proposer may draft the stop token (prompts hold it after every chat turn):
+    the matcher is filled up to it, the row after it allows nothing, and its state is
+    left as it was."""
+    import torch
+
+    engine = llm.engine
+    state = engine.grammars.matcher(StructuredOutput("choice", choices=("yes",)))
+    eos = engine.model_config.eos_token_ids[0]
+    yes = engine.tokenizer.encode("yes", add_special_tokens=False)
+    drafts = state.valid_prefix(yes + [eos, yes[0]])
+    assert drafts == yes + [eos]
+    bitmask = torch.full((len(drafts) + 1, -(-engine.model_config.vocab_size // 32)), -1,
+                         dtype=torch.int32)
+    state.fill(bitmask, 0, drafts)
+    assert (bitmask[-1] == 0).all() and (bitmask[:-1] != 0).any(dim=1).all()
+    assert state.accept(yes[0]) and not state.terminated  # back at the start
