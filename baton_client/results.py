@@ -89,6 +89,8 @@ class ModelInfo:
     block_size: int
     dtype: str
     architecture: str
+    family: str = ""  # Baton's implementation: llama, mistral, qwen2, qwen3, gemma2, gemma3
+    served_model_name: str = ""  # the name the API serves it under
 
 
 def chunk_of(msg: gen.GenerateResponse) -> Chunk:
@@ -112,4 +114,4 @@ def chunk_of(msg: gen.GenerateResponse) -> Chunk:
 def model_info_of(msg: gen.GetModelInfoResponse) -> ModelInfo:
     i = msg.info
     return ModelInfo(i.model, i.max_model_len, i.vocab_size, tuple(i.eos_token_ids),
-                     i.block_size, i.dtype, i.architecture)
+                     i.block_size, i.dtype, i.architecture, i.family, i.served_model_name)

@@ -105,10 +105,18 @@ FLAGS: list[Flag] = [
        "send OpenTelemetry traces to this OTLP gRPC collector (host:port)", optional=True),
     # -- engines
     _f("model", ROLES, (("engine", "model"), ("router", "model")),
-       "a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct); the "
-       "router reads its tokenizer", optional=True),
-    _f("dtype", WORKERS, "engine.dtype", "weights, activations and KV cache",
-       choices=DTYPES),
+       "a .gguf file, an HF model directory, or a hub id fetched into the HF cache "
+       "(default: SmolLM2-135M-Instruct); the router reads its tokenizer", optional=True),
+    _f("tokenizer", ROLES, (("engine", "tokenizer"), ("router", "tokenizer")),
+       "a tokenizer folder or hub id (default: the model's)", optional=True),
+    _f("revision", ROLES, (("engine", "revision"), ("router", "revision")),
+       "of a hub id: a branch, tag or commit (default: main)", optional=True),
+    _f("generation-config", WORKERS, "engine.generation_config",
+       "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
+       "sampling values; none: ignore it; or a folder holding one"),
+    _f("dtype", WORKERS, "engine.dtype",
+       "weights, activations and KV cache; auto: the checkpoint's, in bf16 on CPU and for "
+       "fp32 checkpoints", choices=DTYPES),
     _f("device", WORKERS, "engine.device", "auto, cpu or cuda[:N]"),
     _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
     _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",
@@ -198,8 +206,10 @@ FLAGS: list[Flag] = [
        kind=float),
     _f("http-port", ROUTERS, "router.http_port",
        "the OpenAI-compatible HTTP API (and /metrics) on this port; 0: none", kind=int),
-    _f("served-model-name", ROUTERS, "router.served_model_name",
-       "the model's name in the OpenAI API (default: the workers' model)", optional=True),
+    _f("served-model-name", ROLES,
+       (("router", "served_model_name"), ("engine", "served_model_name")),
+       "the model's name in GetModelInfo and the OpenAI API (default: the model's hub id, "
+       "file or folder name); a router's overrides its workers'", optional=True),
     _f("api-key", ROUTERS, "router.api_keys",
        "callers must send `Authorization: Bearer <key>` (repeat, or comma-separate)",
        kind=list),

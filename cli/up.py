@@ -94,7 +94,7 @@ def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         info = gen_grpc.GenerationStub(channel).GetModelInfo(
             gen.GetModelInfoRequest(), metadata=metadata, timeout=10).info
-    return info.model.removesuffix(".gguf")
+    return info.served_model_name or info.model.removesuffix(".gguf")
 
 
 def banner(args, metrics: dict[str, int], model: str) -> str:

@@ -121,7 +121,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
     async def Decode(self, request, context):
         if not request.request_id:
             raise InvalidArgument("request_id: required")
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         rid = request.request_id
         if not request.HasField("handle"):
             await self.aengine.compile(params)

@@ -3,7 +3,14 @@
 Every backend offers the same two functions as `kernels.reference`, and is tested
 against it:
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    paged_attention(query, key, value, key_cache, value_cache, meta, scale) -> output
+    paged_attention(query, key, value, key_cache, value_cache, meta, scale,
+                    window=None, softcap=None) -> output
+
+window and softcap are per-layer constants (so fine inside a CUDA graph): a token at
+position p sees only keys p - window < k <= p (HF's sliding_window; Mistral, Gemma 2/3),
+and scores become softcap * tanh(scale * QK^T / softcap) before the mask (Gemma 2).
+None turns either off (softcap 0 too, as in flash-attn); with both off every backend runs
+its plain path, unchanged.
 
 Backends: "flash-attn" (kernels/flash.py), "triton" (kernels/triton_attn.py), "torch"
 (kernels/torch_attn.py: torch ops, any device; the CUDA fallback) and "reference" (slow, for tests).

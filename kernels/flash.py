@@ -13,6 +13,10 @@ flash-attn wants a paged cache as [num_blocks, block_size, kv_heads, head_dim]. 
 memory with the head stride moved, and flash-attn takes any strides so long as head_dim
 is contiguous. Nothing is copied.
 
+Sliding windows and soft-capping are flash-attn's `window_size=(window - 1, 0)` and
+`softcap=` (flash-attn >= 2.6 and vLLM's fork); a build without them raises when a layer
+asks for them.
+
 The cache write is the Triton one where Triton imports, else the torch one (both tested
 against the reference).
 """
@@ -45,6 +49,7 @@ def _load():
 
 
 _varlen, BUILD, PAGE_MULTIPLE = _load()
+_PARAMS = inspect.signature(_varlen).parameters
 
 try:
     from kernels.triton_attn import reshape_and_cache
@@ -65,13 +70,23 @@ def unsupported(block_size: int, head_dim: int, dtype: torch.dtype) -> str | Non
     return None
 
 
+def _needs(param: str, what: str) -> None:
+    if param not in _PARAMS:
+        raise NotImplementedError(
+            f"this {BUILD} build has no {param}= argument, needed for {what}: install "
+            "flash-attn >= 2.6 or vLLM's build, or choose another attention backend")
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and itself.
 
     flash-attn aligns the causal mask to the bottom right: new token j of a request with
-    seq_len keys sees keys 0 .. seq_len - q_len + j, as our metadata means.
+    seq_len keys sees keys 0 .. seq_len - q_len + j, as our metadata means. Its
+    window_size=(left, 0) lets position p see keys p - left .. p: left = window - 1 gives
+    p - window < k <= p.
     """
     del key, value
     k = key_cache.permute(1, 2, 0, 3)
@@ -79,6 +94,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     common = dict(cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
                   max_seqlen_k=max(meta.max_seq_len, meta.decode_max_seq_len),
                   softmax_scale=scale, causal=True, block_table=meta.block_tables)
+    if window is not None:
+        _needs("window_size", "a sliding window")
+        common["window_size"] = (window - 1, 0)
+    if softcap:
+        _needs("softcap", "soft-capping")
+        common["softcap"] = softcap
     if BUILD == "vllm_flash_attn":
         return _varlen(query, k, v, seqused_k=meta.seq_lens, **common)
     # Upstream counts keys per request by cumulative offsets; computed on the device, so

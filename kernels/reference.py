@@ -35,9 +35,14 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix plus themselves.
 
+    window: a token at position p sees only keys at p - window < k <= p (HF's
+    sliding_window). softcap: scores = softcap * tanh(scale * QK^T / softcap) before the
+    mask (Gemma 2). None = off; softcap 0 is off too, as in flash-attn.
     Reads everything from the cache (after reshape_and_cache), ignoring `key`/`value`.
     """
     del key, value
@@ -56,8 +61,12 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=0)
         q = query[start:end].float()
         scores = torch.einsum("qhd,hkd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=key_cache.device)
         allowed = positions[None, :] <= q_pos[:, None]  # [q, k]
+        if window is not None:
+            allowed &= positions[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,hkd->qhd", probs, v).to(query.dtype)

@@ -4,6 +4,11 @@ writes and SDPA over K/V gathered through block tables.
 Decodes (one new token each) are batched into one SDPA call over K/V padded to the longest
 sequence, with a length mask. Each prefill chunk gets its own call, with a causal mask
 shifted by the length of its cached prefix. Cache layout: see kernels/reference.py.
+
+A sliding window (a token at p sees keys p - window < k <= p) is a mask, plus gathering
+only the blocks the window touches; it skips the shared-prefix paths. Soft-capping
+(softcap * tanh(scores / softcap), before the mask) runs everywhere but SDPA, which cannot
+do it: such chunks take explicit matmuls.
 """
 
 from __future__ import annotations
@@ -49,12 +54,19 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 DECODE_GROUP = 32
 
 
-def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) -> None:
+def _softcap_(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, in place: softcap * tanh(scores / softcap)."""
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out, window,
+            softcap) -> None:
     n = meta.num_decodes
     graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
     # Cascade attention: K/V of blocks that every row shares are gathered once, and every
-    # query meets them in one large matmul, instead of once per row.
-    shared = meta.num_shared_blocks
+    # query meets them in one large matmul, instead of once per row. Not with a window:
+    # the shared prefix is mostly outside it.
+    shared = meta.num_shared_blocks if window is None else 0
     prefix = None
     if shared:
         table = meta.block_tables[:1, :shared]
@@ -65,24 +77,49 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out) 
         # A CUDA graph fixes the width for every row: decode_max_seq_len, not the group's.
         max_len = meta.decode_max_seq_len if graph_width else max(meta.seq_lens_cpu[a:b])
         _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len,
-                      shared, prefix)
+                      shared, prefix, window, softcap)
+
+
+def _window_tables(meta: AttentionMetadata, a, b, num_blocks, block_size, window):
+    """Rows a..b's blocks from the first one their window touches, and the mask of keys
+    outside the window or past the row's end: ([n, width] block ids, [n, width * bs]).
+
+    Row r's token at L_r - 1 sees keys L_r - window .. L_r - 1: blocks from
+    (L_r - window) // bs, at most (window + 2 * bs - 2) // bs of them. Computed on the
+    device (no sync: a CUDA graph may run this); ids past a row's table are clamped, and
+    their keys, at >= L_r, are masked.
+    """
+    width = min(num_blocks, (window + 2 * block_size - 2) // block_size)
+    seq = meta.seq_lens[a:b, None].long()
+    first = (seq - window).clamp_(min=0) // block_size  # [n, 1]
+    idx = first + torch.arange(width, device=seq.device)
+    tables = meta.block_tables[a:b].gather(1, idx.clamp_(max=meta.block_tables.shape[1] - 1))
+    pos = first * block_size + torch.arange(width * block_size, device=seq.device)
+    return tables, (pos >= seq) | (pos < seq - window)
 
 
 def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len, shared,
-                  prefix) -> None:
+                  prefix, window, softcap) -> None:
     """Rows a..b attend over `shared` common blocks (K/V in `prefix`) and then each over its
     own remaining blocks, padded to the group's longest row:
 
         keys:  | shared blocks, one copy for all rows | own blocks, gathered per row |
+
+    With a window (and shared = 0), each row's own blocks start where its window does.
     """
     n = b - a
     kv_heads, _, block_size, d = key_cache.shape
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[a:b, shared:]
-    k = _gather(key_cache, tables, num_blocks - shared)  # [kv_heads, n, L_own, d]
-    v = _gather(value_cache, tables, num_blocks - shared)
-    pos = torch.arange(shared * block_size, num_blocks * block_size, device=query.device)
-    pad = (pos[None, :] >= meta.seq_lens[a:b, None]).view(1, n, 1, -1)
+    if window is None:
+        tables, width = meta.block_tables[a:b, shared:], num_blocks - shared
+        pos = torch.arange(shared * block_size, num_blocks * block_size, device=query.device)
+        pad = pos[None, :] >= meta.seq_lens[a:b, None]
+    else:
+        tables, pad = _window_tables(meta, a, b, num_blocks, block_size, window)
+        width = tables.shape[1]
+    k = _gather(key_cache, tables, width)  # [kv_heads, n, L_own, d]
+    v = _gather(value_cache, tables, width)
+    pad = pad.view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
     # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
     q = query[a:b].view(n, kv_heads, -1, d).transpose(0, 1)
@@ -92,14 +129,19 @@ def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len
     own = torch.matmul(q, k.transpose(-1, -2))
     if prefix is None:
         scores = own.float().mul_(scale)
+        if softcap:
+            _softcap_(scores, softcap)
         probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(v.dtype)
         o = torch.matmul(probs, v)
     else:
         pk, pv = prefix  # [kv_heads, L_shared, d]
         common = torch.matmul(q.reshape(kv_heads, n * group, d), pk.transpose(-1, -2))
-        common = common.view(kv_heads, n, group, -1)
-        own = own.float().mul_(scale).masked_fill_(pad, float("-inf"))
-        scores = torch.cat((common.float().mul_(scale), own), dim=-1)
+        common = common.view(kv_heads, n, group, -1).float().mul_(scale)
+        own = own.float().mul_(scale)
+        if softcap:
+            _softcap_(common, softcap)
+            _softcap_(own, softcap)
+        scores = torch.cat((common, own.masked_fill_(pad, float("-inf"))), dim=-1)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         p_common, p_own = probs.split([common.shape[-1], own.shape[-1]], dim=-1)
         o = torch.matmul(p_common.reshape(kv_heads, n * group, -1), pv).view_as(q)
@@ -112,11 +154,12 @@ def _prefix_len(meta: AttentionMetadata, i: int) -> int:
 
 
 def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-             out) -> None:
+             out, window, softcap) -> None:
     block_size = key_cache.shape[2]
     # Chunks with at least one cached block share meta.num_shared_prefill_blocks leading
-    # blocks (the runner counted them); those are gathered once for all of them.
-    shared = meta.num_shared_prefill_blocks
+    # blocks (the runner counted them); those are gathered once for all of them. Not with
+    # a window: the shared prefix is mostly outside it.
+    shared = meta.num_shared_prefill_blocks if window is None else 0
     prefix = None
     rows = range(meta.num_decodes, meta.num_seqs)
     first = next((i for i in rows if _prefix_len(meta, i) >= block_size), None)
@@ -128,7 +171,8 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
-        if q_len == seq_len:  # nothing cached before: the new K/V are the whole sequence
+        if q_len == seq_len and window is None and not softcap:
+            # Nothing cached before: the new K/V are the whole sequence.
             k = key[start:end].transpose(0, 1).unsqueeze(0)
             v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -136,23 +180,54 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
         elif prefix is not None and seq_len - q_len >= block_size:
             out[start:end] = _prefill_after_shared(query[start:end], key_cache, value_cache,
                                                    meta.block_tables[i], seq_len, shared,
-                                                   prefix, scale)
+                                                   prefix, scale, softcap)
             continue
         else:
-            num_blocks = (seq_len + block_size - 1) // block_size
-            table = meta.block_tables[i : i + 1]
-            k = _gather(key_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
-            v = _gather(value_cache, table, num_blocks)[:, :, :seq_len].transpose(0, 1)
-            # New token j sits at position seq_len - q_len + j; it sees keys at <= that.
+            # Keys from `lo` on: 0, or with a window the start of the block holding the
+            # first key that the first new token (position seq_len - q_len) sees.
+            lo = 0
+            if window is not None:
+                lo = max(0, seq_len - q_len - window + 1) // block_size * block_size
+            if q_len == seq_len:  # nothing cached (so lo = 0): the new K/V are all keys
+                k = key[start:end].transpose(0, 1).unsqueeze(0)
+                v = value[start:end].transpose(0, 1).unsqueeze(0)
+            else:
+                num_blocks = (seq_len + block_size - 1) // block_size
+                table = meta.block_tables[i : i + 1, lo // block_size:]
+                own = num_blocks - lo // block_size
+                k = _gather(key_cache, table, own)[:, :, :seq_len - lo].transpose(0, 1)
+                v = _gather(value_cache, table, own)[:, :, :seq_len - lo].transpose(0, 1)
+            # New token j sits at position seq_len - q_len + j; it sees keys at <= that
+            # (and, with a window, at > that - window).
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
+            k_pos = torch.arange(lo, seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            if softcap:
+                o = _capped_attention(q, k, v, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
-def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, prefix, scale):
+def _capped_attention(q, k, v, mask, scale, softcap):
+    """SDPA's attention with soft-capping, which SDPA lacks: q [1, H, q_len, d], k and v
+    [1, kv_heads, L, d], mask [q_len, L] -> [1, H, q_len, d]. QK^T in the model dtype,
+    softmax in fp32, as the decode path."""
+    _, num_heads, q_len, d = q.shape
+    kv_heads = k.shape[1]
+    # Rows (g, t) of kv head h hold query head h * group + g at new token t.
+    qh = q[0].reshape(kv_heads, -1, d)
+    scores = _softcap_(torch.matmul(qh, k[0].transpose(-1, -2)).float().mul_(scale), softcap)
+    scores.view(kv_heads, -1, q_len, scores.shape[-1]).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v[0]).view(1, num_heads, q_len, d)
+
+
+def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, prefix, scale,
+                          softcap):
     """One chunk of q_len new tokens whose first `shared` blocks are the shared prefix:
 
         keys:  | shared blocks (gathered once) | own cached blocks + new tokens, causal |
@@ -172,6 +247,9 @@ def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, pre
     qh = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
     common = torch.matmul(qh, pk.transpose(-1, -2)).float().mul_(scale)
     own = torch.matmul(qh, k.transpose(-1, -2)).float().mul_(scale)
+    if softcap:
+        _softcap_(common, softcap)
+        _softcap_(own, softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group)
     k_pos = torch.arange(start, seq_len, device=q.device)
     own.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -189,10 +267,12 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     if meta.num_decodes:
-        _decode(query, key_cache, value_cache, meta, scale, out)
+        _decode(query, key_cache, value_cache, meta, scale, out, window, softcap)
     if meta.num_seqs > meta.num_decodes:
-        _prefill(query, key, value, key_cache, value_cache, meta, scale, out)
+        _prefill(query, key, value, key_cache, value_cache, meta, scale, out, window, softcap)
     return out

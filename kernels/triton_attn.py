@@ -15,9 +15,11 @@ them. Its rows are (token, head) pairs, token-major:
 
 Keys are visited TILE_N at a time; key j's K/V row is found through the block table:
 cache[kv_head, block_tables[req, j // BLOCK_SIZE], j % BLOCK_SIZE]. A new token at
-position p sees keys at positions <= p (its cached prefix, then causal). Softmax is the
-online (flash) form in fp32: a running max m, a running sum l, and the unnormalized
-output, rescaled by exp(m_old - m_new) whenever the max grows.
+position p sees keys at positions <= p (its cached prefix, then causal), and with a
+sliding window only those > p - window; the key loop then starts at the first key the
+tile's first token sees. Soft-capping maps scores to softcap * tanh(scores / softcap)
+before the mask. Softmax is the online (flash) form in fp32: a running max m, a running
+sum l, and the unnormalized output, rescaled by exp(m_old - m_new) whenever the max grows.
 """
 
 from __future__ import annotations
@@ -83,12 +85,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, scale,
+    query_start_loc_ptr, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ch, stride_cb, stride_cs, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     req = tl.program_id(1)
@@ -119,11 +122,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     # Keys up to the tile's last new token. Key 0 is visible to every row, so after the
     # first tile m is finite in every row and exp(m_old - m_new) never sees inf - inf.
+    # With a window, from the first key that the tile's first token sees; a row may then
+    # see nothing in a tile, and its m stays -inf (see m_sub below).
     end = tl.minimum(prefix_len + (q_tile + 1) * BLOCK_Q, seq_len)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(prefix_len + q_tile * BLOCK_Q - window + 1, 0)
     offs_n = tl.arange(0, TILE_N)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     head_base = kv_head.to(tl.int64) * stride_ch
-    for start in range(0, end, TILE_N):
+    for start in range(lo, end, TILE_N):
         k_pos = start + offs_n
         k_ok = k_pos < end
         block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -135,14 +143,27 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), as tanh(x) = 2 * sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(s * (2.0 / softcap)) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        if WINDOW:
+            # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so that
+            # exp(-inf - -inf) is not NaN (its p and alpha are then 0 and its sums stay 0).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_sub)
+            p = tl.exp(s - m_sub[:, None])
+        else:
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if WINDOW:  # padding rows past the chunk may have seen no key: no 0 / 0
+        lsum = tl.where(lsum == 0.0, 1.0, lsum)
     acc = acc / lsum[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -157,8 +178,11 @@ def _tiles(group_pad: int, max_query_len: int) -> tuple[int, int]:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Reads every key from the cache (reshape_and_cache ran first); key/value unused."""
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Reads every key from the cache (reshape_and_cache ran first); key/value unused.
+    window and softcap as in kernels/reference.py; each is a compile-time switch, so the
+    plain kernel is unchanged."""
     del key, value
     out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -173,7 +197,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     with _on(query.device):
         _paged_attention_kernel[grid](
             out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, scale,
+            meta.query_start_loc, scale, window or 0, float(softcap or 0.0),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             meta.block_tables.stride(0),
@@ -185,5 +209,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             # The interpreter multiplies bf16 as raw uint16 bits: it gets fp32 operands (the
             # same products a GPU forms from bf16, which are exact in fp32).
             UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
+            WINDOW=window is not None, SOFTCAP=bool(softcap),
         )
     return out

@@ -45,7 +45,7 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         self.lease_s = engine.config.kv_lease_timeout_s
 
     async def Prefill(self, request, context):
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         rid = request.request_id
         if not rid:
             raise InvalidArgument("request_id: required")

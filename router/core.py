@@ -112,8 +112,10 @@ class Reply:
 
 class Router:
     def __init__(self, registry: Registry, intake: Intake, max_inflight: int = 256,
-                 request_timeout: float = 600.0, metrics: RouterMetrics | None = None):
+                 request_timeout: float = 600.0, metrics: RouterMetrics | None = None,
+                 served_model_name: str | None = None):
         self.registry = registry
+        self.served_model_name = served_model_name  # overrides what the workers say
         self.intake = intake
         self.request_timeout = request_timeout
         self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
@@ -124,10 +126,9 @@ class Router:
     def _count_workers(self) -> None:
         m = self.metrics
         if not m.model:  # label the series with the model, once a worker has said it
-            info = self.registry.model_info()
-            if info is None:
+            if self.registry.model_info() is None:
                 return
-            m.model = info.model
+            m.model = self.model_info().served_model_name
         for role, workers in (("prefill", self.registry.prefill),
                               ("decode", self.registry.decode)):
             for state in ("unknown", "up", "draining", "down"):
@@ -137,9 +138,17 @@ class Router:
                 sum(w.role == role for w in self.registry.retired))
 
     def model_info(self) -> gen.ModelInfo:
+        """The workers' model info, named as this router serves it: its own
+        --served-model-name, else the workers', else the model's file or folder name."""
         info = self.registry.model_info()
         if info is None:
             raise Unavailable("no worker has answered yet")
+        name = (self.served_model_name or info.served_model_name
+                or info.model.removesuffix(".gguf"))
+        if name != info.served_model_name:
+            info = gen.ModelInfo()
+            info.CopyFrom(self.registry.model_info())
+            info.served_model_name = name
         return info
 
     async def tokenize(self, request) -> list[int]:
@@ -163,7 +172,7 @@ class Router:
             span.set_attribute("baton.request_id", job.request_id)
             span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
             if not m.model:
-                m.model = self.model_info().model
+                m.model = self.model_info().served_model_name
             m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
             # aclosing: a caller that leaves closes the inner generator now.
             async with aclosing(self._generate(job, caller, ctx)) as replies:

@@ -51,6 +51,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     `targets` (clients from `make_client(address)`); the registry tells `lifecycle` when
     it can serve (NOT_SERVING until then)."""
     from services.serving.default_model import default_model_path
+    from services.serving.model_source import resolve_tokenizer
 
     registry = Registry([Worker(c.address, "prefill", c) for c in prefill],
                         [Worker(c.address, "decode", c) for c in decode],
@@ -59,9 +60,11 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         policy=config.policy(), targets=targets or {},
                         make_client=make_client,
                         discovery_interval=config.discovery_interval)
-    intake = Intake(Tokenizer(config.model or default_model_path()))
+    source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
+                               config.revision)
+    intake = Intake(Tokenizer(source))
     return Router(registry, intake, config.max_inflight, config.request_timeout,
-                  RouterMetrics(config.served_model_name or ""))
+                  RouterMetrics(config.served_model_name or ""), config.served_model_name)
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,

@@ -104,13 +104,13 @@ class Guard:
 
 
 def make_app(router: Router, security: Security, lifecycle: Lifecycle,
-             served_name: str | None = None, registries=()) -> FastAPI:
+             registries=()) -> FastAPI:
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, security=security, lifecycle=lifecycle)
 
     def names() -> set[str]:
         info = router.model_info()
-        return {served_name or info.model.removesuffix(".gguf"), info.model}
+        return {info.served_model_name, info.model}
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError):
@@ -143,7 +143,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             info = router.model_info()
         except ServiceError as e:
             raise api_error(e) from None
-        name = served_name or info.model.removesuffix(".gguf")
+        name = info.served_model_name
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "baton",
             "root": info.model, "max_model_len": info.max_model_len}]}

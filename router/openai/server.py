@@ -25,7 +25,7 @@ class HttpServer:
     def __init__(self, config: RouterConfig, router: Router, security: Security,
                  lifecycle: Lifecycle, registries=()):
         host = config.service.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        app = make_app(router, security, lifecycle, config.served_model_name, registries)
+        app = make_app(router, security, lifecycle, registries)
         svc = config.service
         self.server = _Server(uvicorn.Config(
             app, host=host, port=config.http_port, log_level="warning", access_log=False,

@@ -68,7 +68,7 @@ def build_hf_model(model: str | None, dtype: torch.dtype):
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope.theta, max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings, eos_token_id=list(config.eos_token_ids),
         pad_token_id=config.eos_token_ids[0],
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,12 @@ class EngineConfig:
     the model's own limit, capped by what the KV cache can hold.
     """
 
-    model: str | None = None
-    dtype: str = "bfloat16"
+    model: str | None = None  # a .gguf file, an HF directory or a hub id; None: the default
+    tokenizer: str | None = None  # a folder or hub id; None: the model's
+    revision: str | None = None  # of a hub id: a branch, tag or commit
+    served_model_name: str | None = None  # what GetModelInfo and /v1/models call it
+    generation_config: str = "auto"  # "auto": the model's defaults; "none"; or a folder
+    dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -95,6 +99,17 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def resolve_dtype(self, checkpoint_dtype: str | None) -> str:
+        """`auto`: the checkpoint's dtype, except that fp32 checkpoints run in bf16 (half
+        the memory and bandwidth, as vLLM does), and fp16 runs in bf16 on CPU (CPU fp16
+        matmuls are slow without AVX512-FP16, and bf16 keeps fp32's range). A GGUF file
+        (quantized, dequantized at load) runs in bf16."""
+        if self.dtype != "auto":
+            return self.dtype
+        if checkpoint_dtype == "float16" and self.torch_device.type == "cuda":
+            return "float16"
+        return "bfloat16"
 
     @property
     def torch_dtype(self):

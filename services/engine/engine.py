@@ -11,6 +11,7 @@ allocates, so it comes as a factory).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from kv_transfer.base import KVHandle, KVLayout, KVReceiver
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.generation_config import read_generation_config
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.loader import load_checkpoint, resolve_model_path
 from services.engine.model_runner import ModelRunner
@@ -30,6 +32,7 @@ from services.engine.spec_decode import NgramProposer
 from services.engine.structured_output import GrammarCompiler
 from services.engine.tokenizer import load_tokenizer
 from services.serving.kv_events import KvEventLog
+from services.serving.model_source import model_name, resolve_tokenizer
 from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,19 +43,28 @@ ReceiverFactory = Callable[[KVLayout, list], KVReceiver]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
-        self.config = config
         t0 = time.monotonic()
-        path = resolve_model_path(config.model)
-        self.model_name = path.name  # the file or directory name: the same on every host
-        self.tokenizer = load_tokenizer(path)
+        path = resolve_model_path(config.model, config.revision)
+        self.model_name = model_name(config.model)  # the same on every host
+        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer, path,
+                                                          config.revision))
         model_config, weights = load_checkpoint(path, config.load_format, config.seed)
+        config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
+        self.config = config
+        extra_eos, self.sampling_defaults = read_generation_config(config.generation_config,
+                                                                   path)
+        model_config = dataclasses.replace(model_config, eos_token_ids=tuple(dict.fromkeys(
+            model_config.eos_token_ids + extra_eos)))
         self.model_config = model_config
         limit = model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
         max_len = config.max_model_len or limit
+        t1 = time.monotonic()
         self.runner = ModelRunner(config, model_config, weights, max_len)
+        log.info("loaded %s (%s, %s) in %.1fs", self.model_name, model_config.architecture,
+                 config.dtype, time.monotonic() - t1)
         num_blocks = self.runner.profile_num_blocks()
         # One request must always fit alone, or it could never finish.
         capacity = (num_blocks - 1) * config.block_size
@@ -86,6 +98,8 @@ class LLMEngine:
                      if config.speculative.method is not None else None)
         self.model_info = ModelInfo(
             model=self.model_name, architecture=model_config.architecture,
+            family=model_config.family,
+            served_model_name=config.served_model_name or self.model_name.removesuffix(".gguf"),
             max_model_len=self.max_model_len, vocab_size=model_config.vocab_size,
             eos_token_ids=tuple(model_config.eos_token_ids), block_size=config.block_size,
             dtype=config.dtype)

@@ -34,7 +34,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -64,6 +64,11 @@ class LLM:
                 if rid not in final:
                     self.engine.abort_request(rid)
         return [final[i] for i in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults, overridden by the model's generation_config.json
+        (see services/engine/generation_config.py)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

@@ -1,7 +1,8 @@
 """Load weights: a GGUF file (dequantized at load time) or an HF directory of safetensors.
 
 Both produce HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) which the
-model's `load_weights` consumes.
+model's `load_weights` consumes, behind a progress bar (tqdm on stderr; TQDM_DISABLE=1
+hides it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from services.engine.model_config import ModelConfig
+from services.serving.model_source import resolve_model
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -31,24 +33,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's sandwich norms: its ffn_norm is the norm before the MLP, not after attention.
+_GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """None means the default model. Otherwise a `.gguf` file or an HF model directory."""
-    if model is None:
-        from services.engine.default_model import ensure_default_model
-
-        return ensure_default_model()
-    path = Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and (path / "config.json").exists():
-        return path
-    raise ValueError(
-        f"model {str(model)!r} is neither a .gguf file nor an HF model directory with a "
-        "config.json (models are not downloaded from a hub at run time)"
-    )
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
+    """None means the default model; else a `.gguf` file, an HF directory or a hub id
+    (services/serving/model_source.py)."""
+    return resolve_model(model, revision)
 
 
 def _gguf_meta(reader) -> dict:
@@ -81,6 +78,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
     reader = GGUFReader(str(path))
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf(_gguf_meta(reader), "output.weight" in names)
+    permuted = config.family in ("llama", "mistral")
+    gemma = config.family.startswith("gemma")
+    layer_names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -88,18 +88,22 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
             m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
             if m:
                 layer, part, kind = m.groups()
-                if part == "attn_q":
+                # Only llama.cpp's "llama" layout permutes q/k rows (qwen's does not).
+                if part == "attn_q" and kind == "weight" and permuted:
                     w = _unpermute_rope(w, config.num_heads)
-                elif part == "attn_k":
+                elif part == "attn_k" and kind == "weight" and permuted:
                     w = _unpermute_rope(w, config.num_kv_heads)
-                name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+                name = f"model.layers.{layer}.{layer_names[part]}.{kind}"
             elif t.name in _GGUF_NAMES:
                 name = _GGUF_NAMES[t.name]
             else:
                 continue  # e.g. rope_freqs: recomputed from the config
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+            w = torch.from_numpy(np.array(w, dtype=np.float32))
+            if gemma and name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+            yield name, w
 
-    return config, weights()
+    return config, _progress(weights(), len(reader.tensors), path.name)
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -113,13 +117,27 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
     if index.exists():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
 
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            total += len(sf.keys())
+
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
 
-    return config, weights()
+    return config, _progress(weights(), total, f"{path.name} ({len(files)} shards)")
+
+
+def _progress(weights: Iterator[tuple[str, torch.Tensor]], total: int, what: str
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, with a progress bar on stderr while they load."""
+    from tqdm import tqdm
+
+    yield from tqdm(weights, total=total, desc=f"loading {what}", unit=" tensors",
+                    mininterval=1.0, leave=False)
 
 
 def hf_dir_config(path: Path) -> ModelConfig:
@@ -131,27 +149,42 @@ def hf_dir_config(path: Path) -> ModelConfig:
 def dummy_weights(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Random weights under the checkpoint's names and shapes (vLLM's `--load-format
     dummy`): for measuring a model's shapes without its checkpoint, never its outputs.
-    Matrices ~ N(0, 0.02^2), norms 1, biases 0; the same seed gives the same weights."""
+    Matrices ~ N(0, 0.02^2), norms 1 (Gemma's (1 + w): w = 0), biases 0; the same seed
+    gives the same weights."""
     g = torch.Generator().manual_seed(seed)
 
     def mat(rows: int, cols: int) -> torch.Tensor:
         return torch.empty(rows, cols).normal_(0.0, 0.02, generator=g)
 
+    def norm(size: int) -> torch.Tensor:
+        return torch.full((size,), 1.0 - c.norm_offset)
+
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if c.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     yield "model.embed_tokens.weight", mat(c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", torch.ones(c.hidden_size)
-        yield p + "post_attention_layernorm.weight", torch.ones(c.hidden_size)
+        for name in norms:
+            yield p + f"{name}.weight", norm(c.hidden_size)
+        if c.qk_norm:
+            yield p + "self_attn.q_norm.weight", norm(c.head_dim)
+            yield p + "self_attn.k_norm.weight", norm(c.head_dim)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             yield p + f"self_attn.{name}.weight", mat(rows, c.hidden_size)
-            if c.attention_bias:
+            if c.qkv_bias:
                 yield p + f"self_attn.{name}.bias", torch.zeros(rows)
         yield p + "self_attn.o_proj.weight", mat(c.hidden_size, q)
-        yield p + "mlp.gate_proj.weight", mat(c.intermediate_size, c.hidden_size)
-        yield p + "mlp.up_proj.weight", mat(c.intermediate_size, c.hidden_size)
-        yield p + "mlp.down_proj.weight", mat(c.hidden_size, c.intermediate_size)
-    yield "model.norm.weight", torch.ones(c.hidden_size)
+        if c.o_bias:
+            yield p + "self_attn.o_proj.bias", torch.zeros(c.hidden_size)
+        for name, rows, cols in (("gate_proj", c.intermediate_size, c.hidden_size),
+                                 ("up_proj", c.intermediate_size, c.hidden_size),
+                                 ("down_proj", c.hidden_size, c.intermediate_size)):
+            yield p + f"mlp.{name}.weight", mat(rows, cols)
+            if c.mlp_bias:
+                yield p + f"mlp.{name}.bias", torch.zeros(rows)
+    yield "model.norm.weight", norm(c.hidden_size)
     if not c.tie_word_embeddings:
         yield "lm_head.weight", mat(c.vocab_size, c.hidden_size)
 

@@ -1,9 +1,53 @@
-"""The shape of a Llama-family model, read from an HF config or from GGUF metadata."""
+"""The shape of a decoder-only model, read from an HF config or from GGUF metadata.
+
+One dataclass covers every family Baton serves: the families differ only in switches
+(biases, q/k norm, Gemma's sandwich norms and soft-capping, sliding windows, RoPE
+variants), which the shared layers in `models/layers.py` read. Torch-free.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+# HF architecture name -> Baton family (the module in services/engine/models/).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+# RoPE variants Baton computes (models/layers.py: rope_inv_freq).
+ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+def unsupported_architecture(arch: str) -> ValueError:
+    return ValueError(f"unsupported architecture {arch!r}; Baton serves "
+                      f"{', '.join(sorted(ARCHITECTURES))}")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One RoPE table: base theta, and a scaling (`kind` in ROPE_TYPES) with its numbers
+    (`factor`, and llama3's band limits) as sorted (name, value) pairs."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    params: tuple[tuple[str, float], ...] = ()
+
+    @staticmethod
+    def from_hf(p: dict[str, Any], fallback_theta: float = 10000.0) -> Rope:
+        kind = p.get("rope_type", p.get("type")) or "default"
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {kind!r}; Baton computes "
+                             f"{', '.join(ROPE_TYPES)}")
+        keys = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(kind, ())
+        theta = float(p.get("rope_theta", fallback_theta))
+        return Rope(theta, kind, tuple(sorted((k, float(p[k])) for k in keys)))
 
 
 @dataclass(frozen=True)
@@ -17,81 +61,195 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    # llama3 scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None for plain RoPE.
-    rope_llama3: tuple[tuple[str, float], ...] | None = None
-    attention_bias: bool = False
+    rope: Rope = Rope()
+    family: str = "llama"
+    qkv_bias: bool = False  # Qwen2; Llama/Gemma with attention_bias
+    o_bias: bool = False  # attention_bias (Llama, Mistral, Qwen3, Gemma)
+    mlp_bias: bool = False  # Llama's mlp_bias
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma: norms scale by (1 + w), embeddings by sqrt(hidden), a norm after attention
+    # and after the MLP too (sandwich), GELU (tanh) in the MLP.
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    # Per layer: the sliding window (HF `sliding_window`: a token sees the last W
+    # positions, itself included), None for full attention.
+    windows: tuple[int | None, ...] = ()
+    sliding_rope: Rope | None = None  # Gemma 3: the windowed layers' own RoPE
+    dtype: str | None = None  # the checkpoint's (config.json `dtype`); None for GGUF
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     @staticmethod
     def from_hf(cfg: Any) -> ModelConfig:
-        """From a transformers `PretrainedConfig` (v4 `rope_scaling` or v5 `rope_parameters`)."""
-        arch = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        llama3 = None
-        if rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
-            llama3 = tuple((k, float(rope[k])) for k in keys)
-        elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r}")
+        """From a transformers `PretrainedConfig` (v4 `rope_scaling` or v5
+        `rope_parameters`). ValueError, naming it, for an architecture Baton lacks."""
+        arch = (getattr(cfg, "architectures", None) or [None])[0]
+        arch = arch or {f: a for a, f in ARCHITECTURES.items()}.get(
+            cfg.model_type.removesuffix("_text"), cfg.model_type)
+        family = ARCHITECTURES.get(arch)
+        if family is None:
+            raise unsupported_architecture(arch)
+        get = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+        layers = cfg.num_hidden_layers
+        rope, sliding_rope = _ropes(cfg)
+        windows: tuple[int | None, ...] = ()
+        kinds = get("layer_types")
+        if kinds and get("sliding_window"):
+            windows = tuple(cfg.sliding_window if k == "sliding_attention" else None
+                            for k in kinds)
+        elif family == "mistral" and get("sliding_window"):
+            windows = (cfg.sliding_window,) * layers
         eos = cfg.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None
                                                                      else ())
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        gemma = family in ("gemma2", "gemma3")
+        bias = bool(get("attention_bias", False))
+        scalar = get("query_pre_attn_scalar") if gemma else None
         return ModelConfig(
             architecture=arch,
+            family=family,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
+            num_layers=layers,
             num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
+            num_kv_heads=get("num_key_value_heads") or cfg.num_attention_heads,
+            head_dim=get("head_dim") or cfg.hidden_size // cfg.num_attention_heads,
             rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
             max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
-            rope_llama3=llama3,
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            rope=rope,
+            sliding_rope=sliding_rope,
+            qkv_bias=bias or family == "qwen2",
+            o_bias=bias,
+            mlp_bias=bool(get("mlp_bias", False)),
+            qk_norm=family in ("qwen3", "gemma3"),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=gemma,
+            sandwich_norms=gemma,
+            hidden_act=_activation(get("hidden_activation") or get("hidden_act", "silu")),
+            query_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=get("attn_logit_softcapping") if gemma else None,
+            final_softcap=get("final_logit_softcapping") if gemma else None,
+            windows=windows if any(w is not None for w in windows) else (),
+            dtype=_dtype_name(get("dtype")),
         )
 
     @staticmethod
     def from_gguf(meta: dict[str, Any], has_output_weight: bool) -> ModelConfig:
-        """From GGUF key/values (`llama.*` and `tokenizer.ggml.*`)."""
+        """From GGUF key/values (`<arch>.*` and `tokenizer.ggml.*`), for the families whose
+        llama.cpp layout Baton reads: llama (Llama, Mistral, SmolLM2), qwen2, qwen3, gemma2,
+        gemma3 (text)."""
         arch = meta["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; Baton reads GGUF "
+                             f"{', '.join(GGUF_ARCHITECTURES)} (other families: use the "
+                             "HF directory)")
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
         hidden, heads = get("embedding_length"), get("attention.head_count")
-        llama3 = None
-        if get("rope.scaling.type") == "llama3":  # rarely written; kept for completeness
-            llama3 = (("factor", float(get("rope.scaling.factor"))),
-                      ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
-                      ("original_max_position_embeddings",
-                       float(get("rope.scaling.original_context_length"))))
+        rope = Rope(float(get("rope.freq_base", 10000.0)))
+        kind = get("rope.scaling.type")
+        if kind == "linear":
+            rope = Rope(rope.theta, "linear", (("factor", float(get("rope.scaling.factor"))),))
+        elif kind not in (None, "none"):
+            raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+        window = get("attention.sliding_window")
+        layers = get("block_count")
+        head_dim = (get("attention.key_length") or get("rope.dimension_count")
+                    or hidden // heads)
+        extra: dict[str, Any] = {"windows": (window,) * layers if window else ()}
+        if arch.startswith("gemma"):
+            extra = _gguf_gemma(arch, get, layers, hidden // heads, head_dim, window)
         return ModelConfig(
-            architecture="LlamaForCausalLM",
+            architecture=GGUF_ARCHITECTURES[arch],
+            family=ARCHITECTURES[GGUF_ARCHITECTURES[arch]],
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
-            num_layers=get("block_count"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv", heads),
-            head_dim=get("rope.dimension_count", hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=get("context_length"),
             tie_word_embeddings=not has_output_weight,
             eos_token_ids=(meta["tokenizer.ggml.eos_token_id"],),
-            rope_llama3=llama3,
+            rope=rope,
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **extra,
         )
+
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
+
+
+def _gguf_gemma(arch: str, get, layers: int, hidden_per_head: int, head_dim: int,
+                window: int | None) -> dict[str, Any]:
+    """What a Gemma GGUF leaves implicit, as llama.cpp (and transformers' GGUF reader)
+    assume it: Gemma 2 windows every other layer from the first, Gemma 3 all but every
+    sixth, whose local RoPE base is 10000; queries scale by head_dim ** -0.5, except in
+    the 27B models (46 / 62 layers), by (hidden / heads) ** -0.5."""
+    if arch == "gemma2":
+        sliding = [i % 2 == 0 for i in range(layers)]
+        caps = {"attn_softcap": float(get("attn_logit_softcapping", 50.0)),
+                "final_softcap": float(get("final_logit_softcapping", 30.0))}
+        local = None
+    else:
+        sliding = [(i + 1) % 6 != 0 for i in range(layers)]
+        caps = {}
+        local = Rope(10000.0)
+    big = layers == (46 if arch == "gemma2" else 62)
+    return dict(norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                hidden_act="gelu_tanh", sliding_rope=local,
+                query_scale=float(hidden_per_head if big else head_dim) ** -0.5,
+                windows=tuple(window if s else None for s in sliding) if window else (),
+                **caps)
+
+
+def _ropes(cfg: Any) -> tuple[Rope, Rope | None]:
+    """(the RoPE of full-attention layers, that of sliding layers if they differ).
+
+    transformers v5 writes `rope_parameters`, per layer type for Gemma 3; v4 wrote
+    `rope_theta` with `rope_scaling`, and Gemma 3's `rope_local_base_freq`."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
+    if "full_attention" in params:
+        full = Rope.from_hf(params["full_attention"], theta)
+        local = params.get("sliding_attention")
+        return full, Rope.from_hf(local, theta) if local else None
+    full = Rope.from_hf(params, theta)
+    local_theta = getattr(cfg, "rope_local_base_freq", None)
+    return full, Rope(float(local_theta)) if local_theta else None
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """'bfloat16' from torch.bfloat16 or from the string."""
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def _activation(name: str) -> str:
+    if name == "silu":
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
+    raise ValueError(f"unsupported MLP activation {name!r}")

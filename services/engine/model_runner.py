@@ -16,7 +16,7 @@ from kernels.metadata import AttentionMetadata, count_shared_blocks
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphRunner
 from services.engine.model_config import ModelConfig
-from services.engine.models.llama import MODELS
+from services.engine.models import model_class
 from services.engine.outputs import SampledTokens
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow, to_device
@@ -44,10 +44,7 @@ class ModelRunner:
         self.backend = kernels.select_backend(
             self.device, config.attention_backend, block_size=config.block_size,
             head_dim=model_config.head_dim, dtype=self.dtype)
-        cls = MODELS.get(model_config.architecture)
-        if cls is None:
-            raise ValueError(f"unsupported architecture {model_config.architecture!r}; "
-                             f"supported: {sorted(MODELS)}")
+        cls = model_class(model_config.architecture)
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         # Device memory outside this process's torch now: other processes and engines' own

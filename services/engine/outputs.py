@@ -112,3 +112,5 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     block_size: int
     dtype: str
+    family: str = "llama"  # services/engine/models/<family>
+    served_model_name: str = ""  # the model's name in the API (--served-model-name)

@@ -10,8 +10,10 @@ from services.serving.convert import FINISH, logprobs_messages, sampling_kwargs,
 from services.serving.sampling_params import SamplingParams
 
 
-def sampling_params(msg: gen.SamplingParams) -> SamplingParams:
-    return SamplingParams(**sampling_kwargs(msg))
+def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """The request's values; where it leaves one unset, the model's default if it has one
+    (generation_config.json), else SamplingParams' own."""
+    return SamplingParams(**{**(defaults or {}), **sampling_kwargs(msg)})
 
 
 def layout_message(layout: KVLayout) -> wk.KvLayout:
@@ -30,7 +32,8 @@ def model_info_message(info: ModelInfo) -> gen.ModelInfo:
     return gen.ModelInfo(model=info.model, architecture=info.architecture,
                          max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                          eos_token_ids=list(info.eos_token_ids), block_size=info.block_size,
-                         dtype=info.dtype)
+                         dtype=info.dtype, family=info.family,
+                         served_model_name=info.served_model_name)
 
 
 def timings_message(out: RequestOutput) -> gen.Timings:

@@ -53,7 +53,8 @@ class FakeGeneration(gen_grpc.GenerationServicer):
         self.calls: list[Call] = []
         self.info = gen.ModelInfo(model="fake", max_model_len=2048, vocab_size=100,
                                   eos_token_ids=[2], block_size=16, dtype="float32",
-                                  architecture="LlamaForCausalLM")
+                                  architecture="LlamaForCausalLM", family="llama",
+                                  served_model_name="fake-model")
         self.hang_unary = False
         self.gone = threading.Event()  # set when a hanging Generate has ended
 

@@ -23,8 +23,11 @@ CUDA = torch.device("cuda")  # only a device object: select_backend does not tou
 
 
 def _fake_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 block_table, seqused_k=None, cu_seqlens_k=None):
-    """flash_attn_varlen_func over a paged cache, written from its documentation."""
+                 block_table, seqused_k=None, cu_seqlens_k=None, window_size=(-1, -1),
+                 softcap=0.0):
+    """flash_attn_varlen_func over a paged cache, written from its documentation: with
+    window_size (left, right) != (-1, -1), query i (bottom-right aligned, at q_pos) sees
+    keys q_pos - left .. q_pos + right; softcap > 0 caps scale * QK^T."""
     assert causal and k.stride(-1) == 1
     if seqused_k is None:
         seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -38,8 +41,13 @@ def _fake_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scal
         group = q.shape[1] // kv_heads
         ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e], ks) * softmax_scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(n - (e - s), n)  # bottom-right aligned
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window_size[0] >= 0:
+            too_old = pos[None, None, :] < q_pos[None, :, None] - window_size[0]
+            scores = scores.masked_fill(too_old, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
     return out
 
@@ -118,3 +126,25 @@ def test_flash_wrapper_passes_our_paged_layout(fake_flash, monkeypatch, build, b
     want = reference.paged_attention(q, k, v, kc, vc, meta, 0.125)
     got = flash.paged_attention(q, k, v, kc, vc, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_wrapper_passes_window_and_softcap(fake_flash, monkeypatch):
+    """A build with window_size= and softcap= (vLLM's) gets window - 1 as the left window
+    and the softcap: same outputs as the reference. One without them (the upstream
+    stand-in here) raises, naming what is missing, instead of ignoring the layer's mask."""
+    flash = fake_flash("vllm_flash_attn")
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    q, k, v, kc, vc, meta = _make_batch(rng, 16, 2, 3, 64, torch.float32, 3, 3)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    for window, softcap in [(5, None), (37, 2.0), (None, 2.0)]:
+        want = reference.paged_attention(q, k, v, kc, vc, meta, 0.125, window, softcap)
+        got = flash.paged_attention(q, k, v, kc, vc, meta, 0.125, window=window,
+                                    softcap=softcap)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", None)
+    flash = fake_flash("flash_attn")
+    with pytest.raises(NotImplementedError, match="no window_size= argument"):
+        flash.paged_attention(q, k, v, kc, vc, meta, 0.125, window=5)
+    with pytest.raises(NotImplementedError, match="no softcap= argument"):
+        flash.paged_attention(q, k, v, kc, vc, meta, 0.125, softcap=2.0)

@@ -123,3 +123,19 @@ def test_speculative_flags_reach_the_engine_config(monkeypatch):
     with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
         SpecConfig(**_configs("decode", "--speculative-method", "ngram", "--ngram-min", "6",
                               monkeypatch=monkeypatch)["spec"])
+
+
+def test_the_loading_flags_reach_the_engine_and_the_router(monkeypatch):
+    argv = ("--model", "Qwen/Qwen2.5-0.5B-Instruct", "--tokenizer", "org/tok", "--revision",
+            "v1", "--served-model-name", "qwen", "--dtype", "auto", "--max-model-len", "4096")
+    worker = _configs("prefill", *argv, "--generation-config", "none")
+    engine = EngineConfig(**worker["engine"])
+    assert (engine.model, engine.tokenizer, engine.revision, engine.served_model_name) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", "org/tok", "v1", "qwen")
+    assert (engine.dtype, engine.max_model_len, engine.generation_config) == (
+        "auto", 4096, "none")
+    router = RouterConfig(**_configs("router", *argv[:8], "--decode", "d:1")["router"])
+    assert (router.model, router.tokenizer, router.revision, router.served_model_name) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", "org/tok", "v1", "qwen")
+    colocated = _configs("colocated", "--served-model-name", "x")
+    assert colocated["router"]["served_model_name"] == colocated["engine"]["served_model_name"]

@@ -171,7 +171,7 @@ def test_api_key_goes_as_bearer_metadata(kind):
         call(kind, address, "complete", "hi", client=key)
         assert call(kind, address, "tokenize", "ab", client=key) == (97, 98)
         assert call(kind, address, "model_info", client=key) == ModelInfo(
-            "fake", 2048, 100, (2,), 16, "float32", "LlamaForCausalLM")
+            "fake", 2048, 100, (2,), 16, "float32", "LlamaForCausalLM", "llama", "fake-model")
         call(kind, address, "complete", "hi")
         assert [c.metadata.get("authorization") for c in fake.calls] == [
             "Bearer sekret"] * 3 + [None]

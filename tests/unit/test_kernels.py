@@ -52,11 +52,18 @@ def test_cache_write_lands_in_the_right_slot():
     assert kc.abs().sum() == key.abs().sum()  # nothing else was written
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shared_blocks", [1, 3])
-def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
+@pytest.mark.parametrize("dtype,shared_blocks,window,softcap", [
+    (torch.float32, 1, None, None), (torch.float32, 3, None, None),
+    (torch.bfloat16, 1, None, None), (torch.bfloat16, 3, None, None),
+    # Sliding window / soft-capping layers (see WINDOW_SOFTCAP below).
+    (torch.float32, 3, None, 2.0), (torch.bfloat16, 1, None, 2.0),
+    (torch.float32, 3, 5, None), (torch.float32, 1, 37, 2.0), (torch.bfloat16, 3, 1000, None),
+])
+def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks, window,
+                                                        softcap):
     """Rows whose tables start with the same physical blocks (a cached prefix) take the
-    cascade path: shared K/V read once. Same result as the reference."""
+    cascade path: shared K/V read once (soft-capped too; a window skips it). Same result
+    as the reference."""
     torch.manual_seed(shared_blocks)
     bs, kvh, group, d, n = 16, 3, 3, 64, 40  # 40 rows: more than one decode group
     kc = torch.randn(kvh, 512, bs, d, dtype=dtype)
@@ -82,16 +89,22 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks):
     )
     assert meta.num_shared_blocks == shared_blocks
     q = torch.randn(n, kvh * group, d, dtype=dtype)
-    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
-    got = torch_attn.paged_attention(q, None, None, kc, vc, meta, 0.125)
+    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125,
+                                     window, softcap)
+    got = torch_attn.paged_attention(q, None, None, kc, vc, meta, 0.125, window, softcap)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype):
-    """Chunks whose cached prefixes start with the same blocks read those blocks once; a
-    fresh chunk and a chunk with less than a block cached take the plain paths."""
+@pytest.mark.parametrize("dtype,window,softcap", [
+    (torch.float32, None, None), (torch.bfloat16, None, None),
+    (torch.float32, None, 2.0), (torch.bfloat16, None, 2.0), (torch.float32, 5, None),
+    (torch.float32, 37, 2.0), (torch.float32, 1000, None),
+])
+def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype, window, softcap):
+    """Chunks whose cached prefixes start with the same blocks read those blocks once (also
+    soft-capped; a window skips it); a fresh chunk and a chunk with less than a block
+    cached take the plain paths."""
     torch.manual_seed(11)
     bs, kvh, group, d = 16, 3, 3, 64
     kc = torch.randn(kvh, 256, bs, d, dtype=dtype)
@@ -130,7 +143,127 @@ def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype):
     slots = [t[p // bs] * bs + p % bs for t, (pre, ql) in zip(tables, rows, strict=True)
              for p in range(pre, pre + ql)]
     torch_attn.reshape_and_cache(k, v, kc, vc, torch.tensor(slots))
-    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125,
+                                     window, softcap)
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125, window, softcap)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+# Sliding window (HF `sliding_window`: p - window < k <= p) and Gemma 2's soft-capping.
+# Windows: a single key, less than a block, not a multiple of 8 or 16, more than
+# any sequence here (so a window-only mask that must change nothing). A softcap of 2 bends
+# scores of unit size noticeably.
+WINDOW_SOFTCAP = [(1, None), (5, None), (37, None), (1000, None), (None, 2.0), (5, 2.0),
+                  (37, 2.0)]
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (13, None), (None, 1.5),
+                                            (5, 1.5), (100, 1.5)])
+def test_reference_window_and_softcap_match_dense_attention(window, softcap):
+    """The ground truth itself: one 40-token sequence attended densely, [seq, seq] with a
+    mask from positions, against the reference on decodes and chunks cut from it."""
+    torch.manual_seed(3)
+    seq, bs, kvh, group, d = 40, 8, 2, 2, 16
+    Q = torch.randn(seq, kvh * group, d, dtype=torch.float64)
+    K = torch.randn(seq, kvh, d, dtype=torch.float64)
+    V = torch.randn(seq, kvh, d, dtype=torch.float64)
+    scale = 0.3
+
+    def dense(window, softcap):  # query i, key j, head h (reading kv head h // group)
+        scores = torch.einsum("ihd,jhd->hij", Q, K.repeat_interleave(group, 1)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+        allowed = j <= i
+        if window is not None:
+            allowed = allowed & (i - j < window)  # the last `window` positions, i included
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        return torch.einsum("hij,jhd->ihd", probs, V.repeat_interleave(group, 1))
+
+    want = dense(window, softcap)
+    assert not torch.allclose(want, dense(None, None), atol=1e-3), "the test tests nothing"
+    # Every request reads the same sequence, in the same (shuffled) blocks.
+    blocks = torch.randperm(20)[:seq // bs] + 1
+    kc = torch.full((kvh, 21, bs, d), float("nan"), dtype=torch.float64)
+    vc = kc.clone()
+    kc[:, blocks] = K.view(seq // bs, bs, kvh, d).permute(2, 0, 1, 3)
+    vc[:, blocks] = V.view(seq // bs, bs, kvh, d).permute(2, 0, 1, 3)
+    # (cached prefix, new tokens): decodes first, then a fresh chunk and cached-prefix ones.
+    rows = [(0, 1), (8, 1), (20, 1), (39, 1), (0, 12), (13, 10), (30, 10)]
+    qsl = [0]
+    for _, q_len in rows:
+        qsl.append(qsl[-1] + q_len)
+    lens = [p + q for p, q in rows]
+    positions = [p for pre, q_len in rows for p in range(pre, pre + q_len)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(positions), dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=blocks.to(torch.int32).expand(len(rows), -1), num_decodes=4,
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_seq_len=max(lens),
+        max_query_len=12, decode_max_seq_len=40,
+    )
+    got = reference.paged_attention(Q[positions], None, None, kc, vc, meta, scale,
+                                    window=window, softcap=softcap)
+    # The reference computes in fp32.
+    torch.testing.assert_close(got, want[positions], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
+def test_window_and_softcap_match_reference(block_size, window, softcap):
+    """Mixed decodes and prefill chunks (fresh, and after cached prefixes starting
+    mid-block), GQA, against the reference."""
+    rng = random.Random(block_size * 1000 + (window or 0) + int(softcap or 0))
+    torch.manual_seed(rng.randint(0, 1 << 30))
+    q, k, v, kc, vc, meta = _make_batch(rng, block_size, 2, 3, 32, torch.float32, 6, 4)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.2, window, softcap)
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window,
+                                     softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_window_and_softcap_bf16_close_to_fp32_reference():
+    rng = random.Random(8)
+    q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(),
+                                     meta, 0.125, window=21, softcap=2.0)
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125, window=21, softcap=2.0)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _poison_outside_window(kc, vc, meta, window):
+    """NaN into every block wholly before the first key that a request's first new token
+    sees: a path that reads any of them returns NaN. Returns how many were poisoned."""
+    bs = kc.shape[2]
+    count = 0
+    for i in range(meta.num_seqs):
+        q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+        first_key = max(0, meta.seq_lens_cpu[i] - q_len - window + 1)
+        blocks = meta.block_tables[i, :first_key // bs].long()
+        kc[:, blocks] = float("nan")
+        vc[:, blocks] = float("nan")
+        count += len(blocks)
+    return count
+
+
+@pytest.mark.parametrize("graph_width", [False, True])
+@pytest.mark.parametrize("window", [3, 20])
+def test_window_reads_only_the_blocks_it_touches(window, graph_width):
+    """Decodes and cached-prefix chunks gather K/V from the block of their window's first
+    key on: blocks before it hold NaN and the result still matches the reference (read
+    from a clean cache). Also at a CUDA graph's full-table width for the decodes."""
+    rng = random.Random(window)
+    torch.manual_seed(window)
+    q, k, v, kc, vc, meta = _make_batch(rng, 8, 2, 2, 32, torch.float32, 5, 4,
+                                        max_prefix=90)
+    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window)
+    assert _poison_outside_window(kc, vc, meta, window) > 5
+    if graph_width:
+        meta.decode_max_seq_len = meta.block_tables.shape[1] * 8
+    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

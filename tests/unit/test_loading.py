@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.engine import LLM, SamplingParams
 from services.engine.model_config import ModelConfig
-from services.engine.models.llama import rope_inv_freq
+from services.engine.models.layers import rope_inv_freq
 
 
 def test_gguf_weights_equal_transformers_gguf_reader(llm, hf_model):
@@ -42,10 +42,10 @@ def test_llama3_rope_matches_transformers():
     cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072,
                       rope_parameters=rope)
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    got = rope_inv_freq(ModelConfig.from_hf(cfg))
+    got = rope_inv_freq(ModelConfig.from_hf(cfg).rope, 128)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     plain = rope_inv_freq(ModelConfig.from_hf(LlamaConfig(hidden_size=2048,
-                                                          num_attention_heads=16)))
+                                                          num_attention_heads=16)).rope, 128)
     assert not torch.allclose(plain, want)  # the scaling really changes something
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import SamplingParams
-from services.engine.models.llama import linear, prepack
+from services.engine.models.layers import linear, prepack
 
 
 @pytest.mark.skipif(prepack(torch.zeros(8, 8, dtype=torch.bfloat16)) is None,

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.v1 import generation_pb2 as gen
 from tests.unit.router_fakes import PROMPT, cluster, expected, request, tokens
 
 
@@ -194,5 +195,19 @@ def test_a_draining_prefill_worker_gets_no_new_prompt_but_its_handles_still_pair
             assert not c.prefill[0].prefills and len(c.prefill[1].prefills) == 3
             worker, paired = c.registry.pick_decode("p0")
             assert paired  # a handle it still holds can be pulled
+
+    run(main())
+
+
+@pytest.mark.parametrize("own", [None, "router-name"])
+def test_model_info_carries_the_served_name(tok, own):
+    """GetModelInfo names the model as it is served: the router's --served-model-name,
+    else the workers' (the fakes say none: then the model's name without .gguf)."""
+    async def main():
+        async with cluster(tok, served_model_name=own) as c:
+            await c.generate(PROMPT, 1)  # the workers have answered
+            info = (await c.stub.GetModelInfo(gen.GetModelInfoRequest())).info
+            assert info.model == "fake"
+            assert info.served_model_name == (own or "fake")
 
     run(main())

@@ -23,11 +23,12 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, prefills):
+def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, prefills,
+           window=None, softcap=None, **batch):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     q, k, v, kc, vc, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
-                                        dtype, decodes, prefills)
+                                        dtype, decodes, prefills, **batch)
     # Cache write: exact bytes, against the reference's write.
     ref_kc, ref_vc = kc.clone(), vc.clone()
     reference.reshape_and_cache(k, v, ref_kc, ref_vc, meta.slot_mapping)
@@ -39,8 +40,21 @@ def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, pref
     # Attention: within the dtype's rounding of an fp32 reference on the same inputs.
     scale = head_dim**-0.5
     want = reference.paged_attention(q.float(), None, None, ref_kc.float(), ref_vc.float(),
-                                     meta, scale)
-    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, scale)
+                                     meta, scale, window, softcap)
+    if window is not None:
+        # NaN into the blocks wholly before the first key that a request's first new token
+        # sees: the kernel must start its key loop after them.
+        bs, poisoned = block_size, 0
+        for i in range(meta.num_seqs):
+            q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+            first_key = max(0, meta.seq_lens_cpu[i] - q_len - window + 1)
+            blocks = meta.block_tables[i, :first_key // bs].long()
+            dev_kc[:, blocks] = float("nan")
+            dev_vc[:, blocks] = float("nan")
+            poisoned += len(blocks)
+        assert poisoned or window > meta.max_seq_len
+    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, scale,
+                                      window=window, softcap=softcap)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -67,6 +81,31 @@ def test_fp32_odd_groups_and_small_blocks(block_size, num_kv_heads, group):
 
 def test_head_dim_not_a_power_of_two():
     _check(5, 16, 2, 2, 80, torch.float32, 2, 2)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (37, None), (1000, None),
+                                            (None, 2.0), (5, 2.0), (37, 2.0)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_sliding_window_and_softcap(block_size, window, softcap):
+    """Sliding window (one key, less than a block, not a multiple of one, more than any
+    sequence) and soft-capping, alone and together. Group 3 pads query rows; chunks of up
+    to 30 tokens span two query tiles, whose second starts its key loop later."""
+    seed = block_size * 1000 + (window or 0) + int(softcap or 0)
+    _check(seed, block_size, 2, 3, 16, torch.float32, 3, 3, window, softcap, max_prefix=100,
+           max_chunk=30)
+
+
+@pytest.mark.parametrize("window", [5, 20])
+def test_sliding_window_rows_that_see_no_key_in_a_tile(window):
+    """MHA: 64 new tokens per query tile, more than a key tile (32), so a tile's later
+    rows see no key in the first key tiles, which start at the first row's window. Their
+    running max stays -inf there, and must not turn their sums into NaN."""
+    _check(window, 16, 2, 1, 16, torch.float32, 1, 3, window, None, max_prefix=80,
+           max_chunk=64)
+
+
+def test_sliding_window_and_softcap_bf16():
+    _check(9, 16, 2, 4, 64, torch.bfloat16, 4, 2, 21, 2.0)
 
 
 def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():

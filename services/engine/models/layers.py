@@ -1,0 +1,211 @@
+"""The pieces every family shares: linear layers (prepacked on CPU), RMSNorm, RoPE,
+attention over the paged cache, the gated MLP.
+
+There is no batch dimension: activations are [num_tokens, ...] for every scheduled token
+of every request, and attention reads and writes the paged KV cache through
+`AttentionMetadata` (see kernels/metadata.py).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.metadata import AttentionMetadata
+from services.engine.model_config import ModelConfig, Rope
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through oneDNN's prepacked copy of the weight when there is
+    one (CPU, bf16/fp16: the same result, without repacking the weight on every call)."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a linear weight, or None where that path does not apply."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialized: every parameter is overwritten by load_weights.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, in fp32, as HF computes it per family:
+
+        offset 0 (Llama, Qwen):  w * (normed cast to the model dtype)
+        offset 1 (Gemma):        (normed * (1 + w) in fp32) cast to the model dtype
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 offset: float = 0.0):
+        super().__init__()
+        self.weight = param(size, dtype=dtype, device=device)
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), scaled as the config asks.
+
+    linear: every frequency divided by `factor` (positions interpolated).
+    llama3: wavelengths longer than original_ctx / low_freq_factor are slowed by `factor`,
+    shorter than original_ctx / high_freq_factor are kept, and those in between are
+    interpolated linearly in 1/wavelength.
+    """
+    d = head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    p = dict(rope.params)
+    if rope.kind == "linear":
+        return inv_freq / p["factor"]
+    if rope.kind != "llama3":
+        return inv_freq
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_ctx = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE on the two halves of each head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+
+    def __init__(self, rope: Rope, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                            rope_inv_freq(rope, head_dim))
+        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [T, 1, d/2]: looked up once per forward pass."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """q, k, v from one fused projection; optional per-head RMSNorm of q and k before RoPE
+    (Qwen3, Gemma 3); the kernel applies this layer's sliding window and soft-cap."""
+
+    def __init__(self, c: ModelConfig, layer: int, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_weight = param(qkv, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = param(qkv, dtype=dtype, device=device) if c.qkv_bias else None
+        self.o_weight = param(c.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = param(c.hidden_size, dtype=dtype, device=device) if c.o_bias else None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, c.norm_offset)
+        self.qk_norm = c.qk_norm
+        self.scale = c.scale
+        self.window = c.window(layer)
+        self.softcap = c.attn_softcap
+        # Only the features a layer uses reach the kernel, so plain layers keep the
+        # kernels' default signature.
+        self.features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
+                         if v is not None}
+        self.packed: dict[str, torch.Tensor | None] = {}
+
+    def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
+        t = x.shape[0]
+        qkv = linear(x, self.qkv_weight, self.packed.get("qkv"), self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = backend.paged_attention(q, k, v, key_cache, value_cache, meta, self.scale,
+                                    **self.features)
+        return linear(o.reshape(t, self.q_size), self.o_weight, self.packed.get("o"),
+                      self.o_bias)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused in one projection."""
+
+    def __init__(self, c: ModelConfig, dtype, device):
+        super().__init__()
+        inter = c.intermediate_size
+        self.gate_up_weight = param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+        self.down_weight = param(c.hidden_size, inter, dtype=dtype, device=device)
+        self.gate_up_bias = param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
+        self.down_bias = param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
+        self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
+        self.packed: dict[str, torch.Tensor | None] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight, self.packed.get("gate_up"), self.gate_up_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down_weight, self.packed.get("down"),
+                      self.down_bias)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm (Llama, Mistral, Qwen):
+        x += attn(input_layernorm(x));  x += mlp(post_attention_layernorm(x))
+    Sandwich (Gemma), every sub-block normed before and after:
+        x += post_attention_layernorm(attn(input_layernorm(x)))
+        x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    Attribute names are HF's, so checkpoints load by name."""
+
+    def __init__(self, c: ModelConfig, layer: int, dtype, device):
+        super().__init__()
+
+        def norm() -> RMSNorm:
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, c.norm_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(c, layer, dtype, device)
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(c, dtype, device)
+        self.sandwich = c.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, rope, x, kv_cache, meta, backend):
+        a = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
+        if not self.sandwich:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

