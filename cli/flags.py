@@ -111,6 +111,9 @@ FLAGS: list[Flag] = [
        "a tokenizer folder or hub id (default: the model's)", optional=True),
     _f("revision", ROLES, (("engine", "revision"), ("router", "revision")),
        "of a hub id: a branch, tag or commit (default: main)", optional=True),
+    _f("tokenizer-revision", ROLES,
+       (("engine", "tokenizer_revision"), ("router", "tokenizer_revision")),
+       "of a --tokenizer hub id (default: main)", optional=True),
     _f("generation-config", WORKERS, "engine.generation_config",
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
        "sampling values; none: ignore it; or a folder holding one"),

@@ -23,6 +23,7 @@ class RouterConfig:
     model: str | None = None  # where the tokenizer comes from (default: the default model)
     tokenizer: str | None = None  # a tokenizer folder or hub id instead of the model's
     revision: str | None = None  # of a hub id
+    tokenizer_revision: str | None = None  # of a --tokenizer hub id
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     request_timeout: float = 600.0  # the deadline of a request whose client set none
     poll_interval: float = 0.5  # seconds between stats polls of every worker

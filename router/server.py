@@ -61,7 +61,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         make_client=make_client,
                         discovery_interval=config.discovery_interval)
     source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
-                               config.revision)
+                               config.revision, config.tokenizer_revision)
     intake = Intake(Tokenizer(source))
     return Router(registry, intake, config.max_inflight, config.request_timeout,
                   RouterMetrics(config.served_model_name or ""), config.served_model_name)

@@ -45,6 +45,7 @@ class EngineConfig:
     model: str | None = None  # a .gguf file, an HF directory or a hub id; None: the default
     tokenizer: str | None = None  # a folder or hub id; None: the model's
     revision: str | None = None  # of a hub id: a branch, tag or commit
+    tokenizer_revision: str | None = None  # of a --tokenizer hub id
     served_model_name: str | None = None  # what GetModelInfo and /v1/models call it
     generation_config: str = "auto"  # "auto": the model's defaults; "none"; or a folder
     dtype: str = "auto"  # see resolve_dtype
@@ -107,8 +108,12 @@ class EngineConfig:
         (quantized, dequantized at load) runs in bf16."""
         if self.dtype != "auto":
             return self.dtype
-        if checkpoint_dtype == "float16" and self.torch_device.type == "cuda":
-            return "float16"
+        if self.torch_device.type == "cuda":
+            import torch
+
+            # GPUs before Ampere lack bf16 kernels (flash-attn, Triton): fp16 there.
+            if checkpoint_dtype == "float16" or not torch.cuda.is_bf16_supported():
+                return "float16"
         return "bfloat16"
 
     @property

@@ -32,7 +32,7 @@ from services.engine.spec_decode import NgramProposer
 from services.engine.structured_output import GrammarCompiler
 from services.engine.tokenizer import load_tokenizer
 from services.serving.kv_events import KvEventLog
-from services.serving.model_source import model_name, resolve_tokenizer
+from services.serving.model_source import model_commit, model_name, resolve_tokenizer
 from services.serving.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
         t0 = time.monotonic()
         path = resolve_model_path(config.model, config.revision)
-        self.model_name = model_name(config.model)  # the same on every host
-        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer, path,
-                                                          config.revision))
+        self.model_name = model_name(config.model, path)  # the same on every host
+        self.tokenizer = load_tokenizer(resolve_tokenizer(
+            config.tokenizer, path, config.revision, config.tokenizer_revision))
         model_config, weights = load_checkpoint(path, config.load_format, config.seed)
         config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
         self.config = config
@@ -76,7 +76,10 @@ class LLMEngine:
                              f"cache ({capacity} tokens); raise the KV budget")
         self.max_model_len = min(max_len, capacity)
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_layout = KVLayout(model=self.model_name, dtype=config.dtype,
+        # Workers pair only over the same weights: a hub model's commit is in its name here.
+        commit = model_commit(path)
+        self.kv_layout = KVLayout(model=self.model_name + (f"@{commit}" if commit else ""),
+                                  dtype=config.dtype,
                                   block_size=config.block_size,
                                   num_layers=model_config.num_layers,
                                   num_kv_heads=model_config.num_kv_heads,

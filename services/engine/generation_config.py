@@ -40,6 +40,15 @@ def read_generation_config(source: str, model_dir: Path) -> tuple[tuple[int, ...
                                                                  else ())
     defaults = {field: diff[key] for key, field in SAMPLING_KEYS.items()
                 if diff.get(key) is not None}
+    if defaults.get("top_k") == 0:  # HF's "off"; ours is -1
+        defaults["top_k"] = -1
+    try:  # a bad default would fail every request that leaves it unset: fail here
+        from services.serving.sampling_params import SamplingParams
+
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{folder / 'generation_config.json'}: {e} (--generation-config "
+                         "none ignores the file)") from e
     if defaults:
         log.info("sampling defaults from the model's generation_config.json: %s (a request's "
                  "own values win; --generation-config none ignores them)", defaults)

@@ -45,7 +45,15 @@ _GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """None means the default model; else a `.gguf` file, an HF directory or a hub id
     (services/serving/model_source.py)."""
-    return resolve_model(model, revision)
+    return resolve_model(model, revision, check=_check_architecture)
+
+
+def _check_architecture(config: dict) -> None:
+    from services.engine.model_config import ARCHITECTURES, unsupported_architecture
+
+    arch = (config.get("architectures") or [config.get("model_type")])[0]
+    if arch not in ARCHITECTURES:
+        raise unsupported_architecture(arch)
 
 
 def _gguf_meta(reader) -> dict:

@@ -82,7 +82,8 @@ class ModelConfig:
     # Per layer: the sliding window (HF `sliding_window`: a token sees the last W
     # positions, itself included), None for full attention.
     windows: tuple[int | None, ...] = ()
-    sliding_rope: Rope | None = None  # Gemma 3: the windowed layers' own RoPE
+    sliding_rope: Rope | None = None  # Gemma 3: the sliding layers' own RoPE
+    sliding_layers: tuple[int, ...] = ()  # the layers of type "sliding_attention"
     dtype: str | None = None  # the checkpoint's (config.json `dtype`); None for GGUF
 
     @property
@@ -105,8 +106,8 @@ class ModelConfig:
         get = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
         layers = cfg.num_hidden_layers
         rope, sliding_rope = _ropes(cfg)
+        kinds = _layer_types(cfg, family)
         windows: tuple[int | None, ...] = ()
-        kinds = get("layer_types")
         if kinds and get("sliding_window"):
             windows = tuple(cfg.sliding_window if k == "sliding_attention" else None
                             for k in kinds)
@@ -146,7 +147,10 @@ class ModelConfig:
             attn_softcap=get("attn_logit_softcapping") if gemma else None,
             final_softcap=get("final_logit_softcapping") if gemma else None,
             windows=windows if any(w is not None for w in windows) else (),
-            dtype=_dtype_name(get("dtype")),
+            sliding_layers=tuple(i for i, k in enumerate(kinds or ())
+                                 if k == "sliding_attention"),
+            # v5 says `dtype`; v4 `torch_dtype` (read from __dict__: v5 warns on the name).
+            dtype=_dtype_name(get("dtype") or vars(cfg).get("torch_dtype")),
         )
 
     @staticmethod
@@ -190,7 +194,10 @@ class ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=get("context_length"),
             tie_word_embeddings=not has_output_weight,
-            eos_token_ids=(meta["tokenizer.ggml.eos_token_id"],),
+            # Chat GGUFs name the end of a turn apart (Gemma's <end_of_turn>).
+            eos_token_ids=tuple(dict.fromkeys(
+                meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                if meta.get(k) is not None)),
             rope=rope,
             qkv_bias=arch == "qwen2",
             qk_norm=arch in ("qwen3", "gemma3"),
@@ -223,7 +230,7 @@ def _gguf_gemma(arch: str, get, layers: int, hidden_per_head: int, head_dim: int
                 hidden_act="gelu_tanh", sliding_rope=local,
                 query_scale=float(hidden_per_head if big else head_dim) ** -0.5,
                 windows=tuple(window if s else None for s in sliding) if window else (),
-                **caps)
+                sliding_layers=tuple(i for i, s in enumerate(sliding) if s), **caps)
 
 
 def _ropes(cfg: Any) -> tuple[Rope, Rope | None]:
@@ -240,6 +247,21 @@ def _ropes(cfg: Any) -> tuple[Rope, Rope | None]:
     full = Rope.from_hf(params, theta)
     local_theta = getattr(cfg, "rope_local_base_freq", None)
     return full, Rope(float(local_theta)) if local_theta else None
+
+
+def _layer_types(cfg: Any, family: str) -> list[str] | None:
+    """Each layer's attention type. transformers >= 4.53 writes `layer_types`; before it,
+    Gemma 2 alternated from a sliding first layer, and Gemma 3 made every
+    `sliding_window_pattern`-th layer global."""
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds or family not in ("gemma2", "gemma3"):
+        return kinds
+    n = cfg.num_hidden_layers
+    if family == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    every = getattr(cfg, "sliding_window_pattern", None) or 6
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n)]
 
 
 def _dtype_name(dtype: Any) -> str | None:

@@ -20,7 +20,10 @@ from pathlib import Path
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt",
                "*.jinja"]
 TOKENIZER_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+SKIPPED = ["consolidated*.safetensors", "original/*"]
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+# A hub cache snapshot: .../models--org--name/snapshots/<commit>
+_SNAPSHOT = re.compile(r"models--(?P<repo>.+)/snapshots/(?P<commit>[0-9a-f]{40})")
 
 
 def is_local(model: str | Path) -> bool:
@@ -30,9 +33,10 @@ def is_local(model: str | Path) -> bool:
 
 
 def resolve_model(model: str | Path | None, revision: str | None = None,
-                  files: list[str] = MODEL_FILES) -> Path:
+                  files: list[str] = MODEL_FILES, check=None) -> Path:
     """A local path for `model` (see the module doc): ValueError, saying why, if there is
-    none."""
+    none. `check(config: dict)`, for a hub id, sees its config.json before any weight is
+    fetched, and raises to refuse it (an architecture Baton does not serve)."""
     if model is None:
         from services.serving.default_model import ensure_default_model
 
@@ -43,34 +47,51 @@ def resolve_model(model: str | Path | None, revision: str | None = None,
     if Path(text).exists() or not _HUB_ID.fullmatch(text) or text.endswith(".gguf"):
         raise ValueError(f"model {text!r} is neither a .gguf file, an HF model directory "
                          "with a config.json, nor a model hub id (org/name)")
-    return _from_hub(text, revision, files)
+    return _from_hub(text, revision, files, check)
 
 
 def resolve_tokenizer(tokenizer: str | Path | None, model: str | Path | None,
-                      revision: str | None = None) -> Path:
+                      revision: str | None = None, tokenizer_revision: str | None = None
+                      ) -> Path:
     """The folder or GGUF file to read the tokenizer from: `tokenizer` if given (a local
-    folder or a hub id), else the model's."""
+    folder, or a hub id at `tokenizer_revision`), else the model's, at `revision`. A
+    `.gguf` model's tokenizer is the folder saved beside it (services/serving/tokenizer),
+    which is all a router needs: the GGUF itself need not be there."""
     if tokenizer is None:
+        if model is not None and str(model).endswith(".gguf"):
+            return Path(model)
         return resolve_model(model, revision, TOKENIZER_FILES)
     path = Path(tokenizer)
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
-    return resolve_model(tokenizer, revision, TOKENIZER_FILES)
+    return resolve_model(tokenizer, tokenizer_revision, TOKENIZER_FILES)
 
 
-def model_name(model: str | Path | None) -> str:
-    """The model's name, the same on every host: a hub id as given, else the file or
-    folder name."""
+def model_name(model: str | Path | None, path: Path | None = None) -> str:
+    """The model's name, the same on every host however it was given: a hub id (also for
+    a path into a hub cache snapshot), else the file or folder name."""
     if model is None:
         from services.serving.default_model import GGUF_NAME
 
         return GGUF_NAME
+    snapshot = _SNAPSHOT.search(Path(path or model).resolve().as_posix())
+    if snapshot:
+        return snapshot["repo"].replace("--", "/", 1)
     return str(model) if not is_local(model) else Path(model).name
 
 
-def _from_hub(repo_id: str, revision: str | None, files: list[str]) -> Path:
-    from huggingface_hub import constants, snapshot_download
+def model_commit(path: Path) -> str | None:
+    """The hub commit of a path inside a hub cache snapshot, else None."""
+    snapshot = _SNAPSHOT.search(Path(path).resolve().as_posix())
+    return snapshot["commit"] if snapshot else None
+
+
+def _from_hub(repo_id: str, revision: str | None, files: list[str], check) -> Path:
+    import json
+
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (
+        EntryNotFoundError,
         GatedRepoError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
@@ -79,7 +100,11 @@ def _from_hub(repo_id: str, revision: str | None, files: list[str]) -> Path:
 
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=files))
+        if check is not None:  # refuse before downloading gigabytes of weights
+            config = hf_hub_download(repo_id, "config.json", revision=revision)
+            check(json.loads(Path(config).read_text()))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=files,
+                                      ignore_patterns=SKIPPED))
     except LocalEntryNotFoundError as e:
         why = ("offline mode (HF_HUB_OFFLINE) is on and it is not in the cache"
                if constants.HF_HUB_OFFLINE else
@@ -91,5 +116,7 @@ def _from_hub(repo_id: str, revision: str | None, files: list[str]) -> Path:
                          "HF_TOKEN") from e
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise ValueError(f"model {where} was not found on the hub ({type(e).__name__})") from e
+    except EntryNotFoundError as e:
+        raise ValueError(f"model {where} has no config.json: not a transformers model") from e
     except OSError as e:  # connection and disk errors
         raise ValueError(f"model {where} could not be fetched: {e}") from e

@@ -198,3 +198,55 @@ def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'.*llama, qwen2"):
         load_gguf(tmp_path / "g.gguf")
+
+
+def test_real_configs_resolve_as_their_models_run():
+    """Real checkpoints' config.json keys (not the tiny ones): windows, RoPE tables and
+    query scales as transformers runs them, in v5 and in v4 (pre-`layer_types`) form."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from services.engine.model_config import ModelConfig
+
+    def v5(**kw):
+        return ModelConfig.from_hf(AutoConfig.for_model(**kw))
+
+    qwen25 = v5(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=24,
+                use_sliding_window=False, sliding_window=131072, max_window_layers=21)
+    assert qwen25.windows == () and qwen25.qkv_bias and not qwen25.o_bias
+    mistral01 = v5(model_type="mistral", architectures=["MistralForCausalLM"],
+                   num_hidden_layers=4, sliding_window=4096)
+    assert mistral01.windows == (4096,) * 4
+    assert v5(model_type="mistral", architectures=["MistralForCausalLM"],
+              sliding_window=None).windows == ()
+    gemma2_27b = v5(model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                    num_hidden_layers=46, hidden_size=4608, num_attention_heads=32,
+                    head_dim=128, query_pre_attn_scalar=144)
+    assert gemma2_27b.scale == 144**-0.5 and gemma2_27b.windows[:2] == (4096, None)
+    # gemma-3-1b-it's config.json as transformers 4.5x wrote it: no layer_types.
+    gemma3_v4 = SimpleNamespace(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+        sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+        max_position_embeddings=32768, eos_token_id=[1, 106], tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+        attn_logit_softcapping=None, torch_dtype="bfloat16")
+    g = ModelConfig.from_hf(gemma3_v4)
+    assert [i for i, w in enumerate(g.windows) if w is None] == [5, 11, 17, 23]
+    assert set(g.windows) == {512, None} and g.sliding_layers[:5] == (0, 1, 2, 3, 4)
+    assert (g.rope.theta, g.sliding_rope.theta, g.dtype) == (1e6, 1e4, "bfloat16")
+
+
+def test_generation_config_top_k_zero_is_off_and_a_bad_value_names_the_file(tmp_path):
+    from transformers import GenerationConfig
+
+    from services.engine.generation_config import read_generation_config
+
+    GenerationConfig(do_sample=True, top_k=0, temperature=0.7).save_pretrained(tmp_path)
+    assert read_generation_config("auto", tmp_path)[1] == {"temperature": 0.7, "top_k": -1}
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        read_generation_config("auto", tmp_path)

@@ -75,5 +75,45 @@ def test_an_engine_serves_a_hub_id_with_another_tokenizer(hub, tiny_dir, model_p
     info = llm.engine.model_info
     assert (info.model, info.served_model_name, info.family) == (
         "org/tiny-qwen3", "qwen-tiny", "qwen3")
-    assert llm.engine.kv_layout.model == "org/tiny-qwen3"
+    assert llm.engine.kv_layout.model == f"org/tiny-qwen3@{COMMIT}"
     assert llm.tokenizer.name_or_path.endswith(".tokenizer")  # the GGUF's saved tokenizer
+
+
+def test_a_snapshot_path_is_named_by_its_hub_id_and_pairs_by_commit(hub):
+    """Given as a hub id or as the path of its cache snapshot, a model has one name (so
+    workers started either way pair), and its KV layout carries the commit (so workers on
+    different revisions never do)."""
+    from services.serving.model_source import model_commit
+
+    snap = resolve_model("org/tiny-qwen3")
+    assert model_name(str(snap), snap) == model_name("org/tiny-qwen3", snap) == "org/tiny-qwen3"
+    assert model_commit(snap) == COMMIT
+    llm = LLM(model=str(snap), dtype="float32", kv_cache_gib=0.001)
+    assert llm.engine.model_info.served_model_name == "org/tiny-qwen3"
+    assert llm.engine.kv_layout.model == f"org/tiny-qwen3@{COMMIT}"
+
+
+def test_the_model_revision_is_not_the_tokenizers(hub, tmp_path, tiny_dir, monkeypatch):
+    put_in_hub_cache(tiny_dir, hub, "org/tok")  # at another commit
+    assert resolve_tokenizer("org/tok", "org/tiny-qwen3", revision=COMMIT).exists()
+    with pytest.raises(ValueError, match="org/tok' at revision 'v9'"):
+        resolve_tokenizer("org/tok", "org/tiny-qwen3", revision=COMMIT,
+                          tokenizer_revision="v9")
+
+
+def test_a_router_needs_only_the_gguf_tokenizer_folder(tmp_path):
+    """The router image carries the `<name>.tokenizer/` folder, not the GGUF."""
+    assert resolve_tokenizer(None, tmp_path / "absent.gguf") == tmp_path / "absent.gguf"
+
+
+def test_an_unsupported_hub_model_is_refused_before_its_weights(hub, tmp_path):
+    """config.json is read first: a GPT-2 repository fails without fetching weights (the
+    cache holds only its config, so fetching anything more would fail offline too)."""
+    from services.engine.loader import resolve_model_path
+
+    only_config = tmp_path / "gpt2"
+    only_config.mkdir()
+    (only_config / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    put_in_hub_cache(only_config, hub, "org/gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        resolve_model_path("org/gpt2")

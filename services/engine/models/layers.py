@@ -58,11 +58,13 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        # One fused op for the normed value (fp32 inside, rounded once to x's dtype, as
+        # HF's `.to(dtype)`), then the weight in x's dtype: HF's numerics, in 2 ops not 6.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def rope_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
@@ -107,8 +109,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the halves of the last dim, into a new
+    tensor: two multiplies and two fused multiply-adds, no concatenation."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -140,12 +150,14 @@ class Attention(nn.Module):
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.packed.get("qkv"), self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qk.reshape(t, heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k heads side by side: one RoPE pass for both.
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)

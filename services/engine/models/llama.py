@@ -41,10 +41,10 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.embed_tokens = param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         self.rope = RotaryEmbedding(c.rope, c.head_dim, max_positions, dtype, device)
-        # Layers with a window use their own RoPE table where the config has one (Gemma 3).
+        # Sliding layers use their own RoPE table where the config has one (Gemma 3).
         self.sliding_rope = (RotaryEmbedding(c.sliding_rope, c.head_dim, max_positions, dtype,
                                              device) if c.sliding_rope else None)
-        self.rope_of_layer = [int(self.sliding_rope is not None and c.window(i) is not None)
+        self.rope_of_layer = [int(self.sliding_rope is not None and i in c.sliding_layers)
                               for i in range(c.num_layers)]
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device)
                                     for i in range(c.num_layers))

@@ -1,0 +1,108 @@
+"""Baton against vLLM's CPU backend on W1, W2 (prefix caching off and on) and W3, back to
+back, alternating, one fresh process per run; prints one table of ratios.
+
+    python -m services.bench.vs_vllm [--rounds 2] [--vllm-python .cache/vllm-venv/bin/python]
+
+Both run bf16 at their default settings (4 GiB of KV each), greedy with ignore_eos, on the
+same dequantized weights (vLLM reads the HF directory that scripts/export_hf_dir.py
+writes). Each round runs every workload through both systems, the order swapped every
+round; each system keeps its best run per workload (the machines are noisy on the scale
+of tens of seconds). Throughput is output tokens per second, model loading excluded.
+Where vLLM is not installed (`make vllm` installs it), its runs are skipped, saying so,
+and Baton's figures are printed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from services.bench.workloads import make_workload
+from services.serving.default_model import cache_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+# (label, workload, prefix caching)
+RUNS = [("W1", "w1", True), ("W2 caching off", "w2", False), ("W2 caching on", "w2", True),
+        ("W3", "w3", True)]
+
+
+def baton_child(workload: str, caching: bool) -> None:
+    """One run in this process (the child side): one JSON line."""
+    from services.bench.offline import run_baton
+    from services.engine import LLM
+
+    llm = LLM(dtype="bfloat16", kv_cache_gib=4.0, enable_prefix_caching=caching)
+    wl = make_workload(workload, llm.engine.model_config.vocab_size)
+    print(json.dumps({"system": "baton", "workload": wl.name, "prefix_caching": caching,
+                      "tok_s": run_baton(llm, wl)}), flush=True)
+
+
+def run(cmd: list[str], env: dict | None = None) -> float:
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
+    return json.loads(lines[-1])["tok_s"]
+
+
+def hf_dir() -> Path:
+    """The default model as an HF directory for vLLM, written once into the cache."""
+    out = cache_dir() / "models" / "SmolLM2-135M-Instruct-hf"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "scripts/export_hf_dir.py", str(out)], cwd=ROOT,
+                       check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm-python", default=str(cache_dir() / "vllm-venv" / "bin" / "python"))
+    ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CACHING"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        baton_child(args.child[0], args.child[1] == "on")
+        return
+    runs = [r for r in RUNS if not args.only or r[0] in args.only]
+    vllm = Path(args.vllm_python)
+    if not vllm.exists():
+        print(f"vLLM is not installed at {vllm} (`make vllm`): its runs are skipped",
+              flush=True)
+        vllm = None
+    model = hf_dir() if vllm else None
+    best: dict[tuple[str, str], float] = {}
+    for r in range(args.rounds):
+        for label, workload, caching in runs:
+            systems = ["baton", "vllm"] if r % 2 == 0 else ["vllm", "baton"]
+            for system in systems:
+                if system == "vllm" and vllm is None:
+                    continue
+                if system == "baton":
+                    cmd = [sys.executable, "-m", "services.bench.vs_vllm", "--child", workload,
+                           "on" if caching else "off"]
+                    tok_s = run(cmd)
+                else:
+                    cmd = [str(vllm), "scripts/vllm_bench.py", str(model), workload]
+                    tok_s = run(cmd + ([] if caching else ["--no-prefix-caching"]),
+                                {"VLLM_CPU_KVCACHE_SPACE": "4"})
+                print(f"round {r + 1}: {label:15s} {system:5s} {tok_s:8.1f} output tok/s",
+                      flush=True)
+                best[label, system] = max(best.get((label, system), 0.0), tok_s)
+    print("\n| workload | Baton tok/s | vLLM-CPU tok/s | Baton / vLLM |\n|---|---|---|---|")
+    for label, _, _ in runs:
+        b, v = best[label, "baton"], best.get((label, "vllm"))
+        print(f"| {label} | {b:.1f} | {v:.1f} | {b / v:.2f}x |" if v else
+              f"| {label} | {b:.1f} | (skipped) | |")
+    if ("W2 caching on", "baton") in best and ("W2 caching off", "baton") in best:
+        ratio = best["W2 caching on", "baton"] / best["W2 caching off", "baton"]
+        print(f"\nBaton W2 caching on / off: {ratio:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
