@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,nixl,http,test]'
+	$(BIN)/python -m kernels.cpu_decode
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
 from kernels.metadata import AttentionMetadata
 
 
@@ -67,6 +68,11 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out, 
     # query meets them in one large matmul, instead of once per row. Not with a window:
     # the shared prefix is mostly outside it.
     shared = meta.num_shared_blocks if window is None else 0
+    if not shared and query.device.type == "cpu" and cpu_decode.load() is not None:
+        # Each row reads its blocks in place, once (kernels/cpu_decode.py).
+        cpu_decode.decode(query, key_cache, value_cache, meta.block_tables,
+                          meta.seq_lens[:n], out, scale, window, softcap)
+        return
     prefix = None
     if shared:
         table = meta.block_tables[:1, :shared]
