@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+import kernels.cpu_decode as cpu_decode
 from kernels.metadata import AttentionMetadata
 
 
