@@ -146,9 +146,10 @@ class Router:
         name = (self.served_model_name or info.served_model_name
                 or info.model.removesuffix(".gguf"))
         if name != info.served_model_name:
-            info = gen.ModelInfo()
-            info.CopyFrom(self.registry.model_info())
-            info.served_model_name = name
+            named = gen.ModelInfo()
+            named.CopyFrom(info)
+            named.served_model_name = name
+            return named
         return info
 
     async def tokenize(self, request) -> list[int]:

@@ -1,4 +1,7 @@
-"""oneDNN-prepacked linear weights (CPU, bf16) give exactly the plain F.linear results."""
+"""oneDNN-prepacked linear weights (CPU, bf16) give the plain F.linear results and change
+no greedy token. Not bit for bit: the two paths may pick different oneDNN kernels (on AMX
+CPUs a bf16 matmul's low bits depend on the kernel), so the matmul is compared within
+bf16's precision."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ def test_packed_weights_change_no_token(make_llm):
     assert all(layer.mlp.packed.get("down") is not None for layer in model.layers)
     x = torch.randn(5, 576, dtype=torch.bfloat16)
     w = model.layers[0].mlp.gate_up_weight
-    assert torch.equal(linear(x, w, prepack(w)), F.linear(x, w))
+    want = F.linear(x, w)
+    torch.testing.assert_close(linear(x, w, prepack(w)), want, rtol=1.6e-2, atol=1e-2)
+    assert not torch.equal(linear(x, w.flip(0), prepack(w.flip(0))), want)  # it can fail
     prompts = [[100 + i for i in range(40)], [5000 + 3 * i for i in range(9)]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     packed = [o.token_ids for o in llm.generate(prompts, params)]
