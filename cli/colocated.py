@@ -29,9 +29,9 @@ from services.worker.worker_service import WorkerServicer
 
 
 def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
-    tracing.setup("baton-colocated", worker.service.otlp_traces_endpoint)
+    tracing.setup("baton-colocated", worker.service)
     engine = make_engine(worker.engine, worker.threads)
-    aengine = AsyncEngine(engine, worker.max_waiting)
+    aengine = AsyncEngine(engine, worker.max_waiting, worker.engine_stall_timeout)
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
                             engine.kv_layout.block_bytes)  # served with the router's
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))

@@ -21,14 +21,16 @@ from dataclasses import dataclass
 from router.config import RouterConfig
 from services.engine.config import DTYPES, EngineConfig, SpecConfig
 from services.serving.config import ServiceConfig
+from services.serving.limits import Limits
 from services.worker.config import WorkerConfig
 
 ROLES = ("router", "prefill", "decode", "colocated")
 WORKERS = ("prefill", "decode", "colocated")
 ROUTERS = ("router", "colocated")
+CLUSTER = ("router", "prefill", "decode")  # the roles that call or serve workers
 DEFAULT_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071, "colocated": 50051}
 CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig,
-           "service": ServiceConfig, "spec": SpecConfig}
+           "service": ServiceConfig, "spec": SpecConfig, "limits": Limits}
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     optional: bool = False  # None is a value (unset)
     hidden: bool = False
+    secret: bool = False  # never in --help or in a child's argv (baton up: env instead)
 
     @property
     def dest(self) -> str:
@@ -98,11 +101,28 @@ FLAGS: list[Flag] = [
     _f("tls-ca", ROLES, "service.tls_ca",
        "CA certificate (PEM): workers want callers signed by it (mutual TLS), and every "
        "service checks the workers it calls against it", optional=True),
+    _f("tls-server-name", ("router", "decode"), "service.tls_server_name",
+       "the name the workers' certificates carry, checked instead of the address dialed "
+       "(workers found by dns:/// are dialed by IP)", optional=True),
+    _f("cluster-token", CLUSTER, "service.cluster_token",
+       "the secret the router and the workers share: a worker takes calls (health aside) "
+       "only with it, and a decode worker pulls KV only from prefill workers that prove "
+       "they hold it (at least 16 characters; prefer the variable or a file)",
+       optional=True, secret=True),
+    _f("cluster-token-file", CLUSTER, "service.cluster_token_file",
+       "a file holding the cluster token (one line)", optional=True),
     _f("metrics-port", ROLES, "service.metrics_port",
        "Prometheus /metrics on this HTTP port (0: none; the router also serves them on "
-       "--http-port)", kind=int),
+       "--http-port), over TLS when the service has --tls-cert", kind=int),
+    _f("metrics-host", ROLES, "service.metrics_host",
+       "the address /metrics listens on (default: the host of --address)", optional=True),
     _f("otlp-traces-endpoint", ROLES, "service.otlp_traces_endpoint",
-       "send OpenTelemetry traces to this OTLP gRPC collector (host:port)", optional=True),
+       "send OpenTelemetry traces to this OTLP gRPC collector (host:port, over TLS; "
+       "default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)",
+       optional=True),
+    _f("otlp-insecure", ROLES, "service.otlp_insecure",
+       "send traces in plaintext (else TLS, unless an http:// endpoint or "
+       "OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=true says otherwise)", kind=bool),
     # -- engines
     _f("model", ROLES, (("engine", "model"), ("router", "model")),
        "a .gguf file, an HF model directory, or a hub id fetched into the HF cache "
@@ -163,6 +183,14 @@ FLAGS: list[Flag] = [
     _f("speculative-disable-by-batch-size", WORKERS, "spec.disable_batch_size",
        "no drafts while more requests than this decode (the step is compute-bound)",
        kind=int),
+    _f("grammar-compile-timeout", WORKERS, "engine.grammar_compile_timeout_s",
+       "structured output: seconds a grammar may take to compile; past it, the request "
+       "fails (INVALID_ARGUMENT)", kind=float),
+    _f("grammar-compile-threads", WORKERS, "engine.grammar_compile_threads",
+       "structured output: threads that compile grammars (never the engine's)", kind=int),
+    _f("grammar-compile-queue", WORKERS, "engine.grammar_compile_queue",
+       "structured output: grammar compiles queued or running at once; past it, "
+       "RESOURCE_EXHAUSTED", kind=int),
     # -- workers
     _f("engine-id", WORKERS, "worker.engine_id",
        "a name for this engine (default: its role); each start adds a random suffix"),
@@ -174,6 +202,9 @@ FLAGS: list[Flag] = [
        kind=int, optional=True),
     _f("threads", WORKERS, "worker.threads", "torch intra-op threads (default: torch's)",
        kind=int, optional=True),
+    _f("engine-stall-timeout", WORKERS, "worker.engine_stall_timeout",
+       "seconds a step may take before the engine counts as stuck: health NOT_SERVING, "
+       "and the router moves its requests on", kind=float),
     _f("inject-kv-failure", ("decode",), "worker.inject_kv_failure",
        "test hook: every KV pull fails with this reason", optional=True, hidden=True),
     # -- routers
@@ -184,6 +215,9 @@ FLAGS: list[Flag] = [
        "decode workers, as --prefill", kind=list),
     _f("discovery-interval", ("router",), "router.discovery_interval",
        "seconds between lookups of dns:/// names (workers join and leave)", kind=float),
+    _f("discovery-grace", ("router",), "router.discovery_grace",
+       "seconds a dns:/// name that answers no address (NXDOMAIN, no records) keeps the "
+       "workers it had before they retire", kind=float),
     _f("routing", ("router",), "router.routing",
        "kv: weigh each worker's cached prefix (its KV events) against its load; "
        "load: load alone", choices=("kv", "load")),
@@ -202,6 +236,26 @@ FLAGS: list[Flag] = [
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",
        "the deadline of a request whose client set none (seconds)", kind=float),
+    # -- the size of one request (router and colocated; README "Limits")
+    _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
+       kind=int),
+    _f("max-n", ROUTERS, "limits.max_n", "choices (n) per prompt", kind=int),
+    _f("max-messages", ROUTERS, "limits.max_messages", "messages in one chat", kind=int),
+    _f("max-prompt-chars", ROUTERS, "limits.max_prompt_chars",
+       "characters of prompt text and message contents in one request", kind=int),
+    _f("max-prompt-token-ids", ROUTERS, "limits.max_prompt_token_ids",
+       "prompt token ids in one request", kind=int),
+    _f("max-stop", ROUTERS, "limits.max_stop", "stop strings in one request", kind=int),
+    _f("max-stop-chars", ROUTERS, "limits.max_stop_chars", "characters of one stop string",
+       kind=int),
+    _f("max-stop-token-ids", ROUTERS, "limits.max_stop_token_ids",
+       "stop token ids in one request", kind=int),
+    _f("max-cache-salt-chars", ROUTERS, "limits.max_cache_salt_chars",
+       "characters of a cache_salt", kind=int),
+    _f("max-request-id-chars", ROUTERS, "limits.max_request_id_chars",
+       "characters of a request_id", kind=int),
+    _f("max-user-chars", ROUTERS, "limits.max_user_chars",
+       "characters of the OpenAI `user` field", kind=int),
     _f("poll-interval", ("router",), "router.poll_interval",
        "seconds between stats polls of every worker", kind=float),
     _f("worker-timeout", ("router",), "router.worker_timeout",
@@ -218,6 +272,9 @@ FLAGS: list[Flag] = [
        kind=list),
     _f("api-key-file", ROUTERS, "router.api_key_file",
        "a file of API keys, one a line", optional=True),
+    _f("shared-prefix-cache", ROUTERS, "router.shared_prefix_cache",
+       "with API keys: one prefix cache for every key's callers (they can then tell from "
+       "cached_tokens what others sent); default: one per key", kind=bool),
 ]
 
 
@@ -238,6 +295,8 @@ def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[F
             except ValueError as e:
                 raise EnvError(flag, raw, str(e)) from None
         shown = ",".join(default) if isinstance(default, list) else default
+        if flag.secret and default is not None:
+            shown = "(set)"
         help_text = argparse.SUPPRESS if flag.hidden else (
             f"{flag.help} [{flag.env}; default: {shown}]")
         kw: dict = {"default": default, "help": help_text, "dest": flag.dest}
@@ -278,7 +337,7 @@ def values(ns: argparse.Namespace, flags: list[Flag], role: str) -> dict[str, di
                 else getattr(ns, f"{flag.dest}_env")
             value = tuple(value)
         for config, field in flag.fills:
-            if config == "router" and role not in ROUTERS:
+            if config in ("router", "limits") and role not in ROUTERS:
                 continue
             if config in ("engine", "worker", "spec") and role not in WORKERS:
                 continue
@@ -290,7 +349,7 @@ def argv_for(ns: argparse.Namespace, flags: list[Flag], role: str) -> list[str]:
     """Command-line arguments that give a `role` process the same values (baton up)."""
     args: list[str] = []
     for flag in flags:
-        if role not in flag.roles or flag.kind is list:
+        if role not in flag.roles or flag.kind is list or flag.secret:
             continue
         value = getattr(ns, flag.dest)
         if value is None:

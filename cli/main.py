@@ -18,6 +18,7 @@ import sys
 import uuid
 
 from cli import generate, up
+from cli.exposure import warn_if_open
 from cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
 
@@ -56,9 +57,11 @@ def _serve(args, flags: list[Flag]) -> None:
     try:
         from router.config import RouterConfig
         from services.serving.config import ServiceConfig
+        from services.serving.limits import Limits
 
         service = ServiceConfig(address=address, **given["service"])
-        router = RouterConfig(service=service, **given["router"])
+        router = RouterConfig(service=service, limits=Limits(**given["limits"]),
+                              **given["router"])
         if role == "router" and not router.decode:
             fail("the router needs --decode addresses (and usually --prefill ones)")
         if role in WORKERS:
@@ -77,6 +80,7 @@ def _serve(args, flags: list[Flag]) -> None:
             config = WorkerConfig(engine=engine, service=service, **worker)
     except ValueError as e:
         fail(str(e))
+    warn_if_open(role, service, router)
     if role == "router":
         from router.server import serve
 

@@ -1,18 +1,24 @@
 """`baton up` (and `make serve`): the whole topology on one machine. Starts a prefill and a
 decode worker with every engine flag given here, waits until both answer health checks,
-starts the router, waits for it, prints how to call it, and stays in the foreground.
+starts the router, waits for it, prints how to call it, and stays in the foreground. The
+three share a cluster token made for the run (or the one given).
 Ctrl-C or SIGTERM stops every process it started; if any of them dies, the rest stop too."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 
+from cli.exposure import address, is_loopback, open_to_anyone, reachable
 from cli.flags import Flag, add_flags, argv_for
+from router.config import RouterConfig
+from services.serving.config import ServiceConfig
 from services.serving.processes import spawn, stop_all, wait_healthy
-from services.serving.security import client_credentials
+from services.serving.security import client_credentials, load_keys
 
 
 def add_parser(sub, with_flags: bool) -> list[Flag]:
@@ -24,7 +30,12 @@ def add_parser(sub, with_flags: bool) -> list[Flag]:
     p.add_argument("--decode-port", type=int, default=50071)
     p.add_argument("--prefill-metrics-port", type=int, default=8061)
     p.add_argument("--decode-metrics-port", type=int, default=8071)
-    p.add_argument("--api-key", help="callers must send `Authorization: Bearer <key>`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where every service listens (default: this machine only; "
+                   "0.0.0.0: every interface, and then set --api-key)")
+    p.add_argument("--api-key", action="append",
+                   help="callers must send `Authorization: Bearer <key>` (repeat, or "
+                   "comma-separate) [BATON_API_KEY; BATON_API_KEY_FILE adds a file's]")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return add_flags(p, ("prefill", "decode")) if with_flags else []
 
@@ -39,31 +50,36 @@ def up(args, flags: list[Flag]) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    prefill, decode = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
-    router = f"127.0.0.1:{args.port}"
+    dial = reachable(args.host)
+    prefill, decode = address(dial, args.prefill_port), address(dial, args.decode_port)
+    router = address(dial, args.port)
     names: dict[int, str] = {}
+    keys = api_keys(args)
+    # Its workers share a cluster token (below): only the router can be open to anyone.
+    open_router = open_to_anyone("router", ServiceConfig(address(args.host, args.port)),
+                                 RouterConfig(api_keys=keys))
+    if open_router is not None:
+        print(f"baton up: WARNING: {open_router}", file=sys.stderr, flush=True)
+    env = cluster_env(args)
     try:
         metrics = {"prefill": args.prefill_metrics_port, "decode": args.decode_metrics_port}
-        for role, address in (("prefill", prefill), ("decode", decode)):
-            proc = spawn(role, address, [*argv_for(args, flags, role), "--metrics-port",
-                                         str(metrics[role])])
+        for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
+            proc = spawn(role, address(args.host, port), [
+                *argv_for(args, flags, role), "--metrics-port", str(metrics[role])], env=env)
             procs.append(proc)
             names[proc.pid] = role
         mutual = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
         wait_healthy(prefill, procs[0], args.startup_timeout, mutual)
         wait_healthy(decode, procs[1], args.startup_timeout, mutual)
-        # Every flag the router takes too (TLS, traces, drain grace, model) goes to it.
-        router_flags = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode",
-                        decode, "--http-port", str(args.http_port)]
-        if args.api_key:
-            router_flags += ["--api-key", args.api_key]
-        proc = spawn("router", router, router_flags)
+        router_flags, router_env = router_launch(args, flags, prefill, decode, env)
+        proc = spawn("router", address(args.host, args.port), router_flags, env=router_env)
         procs.append(proc)
         names[proc.pid] = "router"
         wait_healthy(router, proc, args.startup_timeout,
                      client_credentials(args.tls_ca) if args.tls_cert else None)
-        print(banner(args, metrics, served_name(router, args.api_key, args.tls_cert and
-                                                args.tls_ca)), flush=True)
+        key = keys[0] if keys else None  # the banner's own call, and the one it shows
+        print(banner(args, metrics, served_name(router, key, args.tls_cert and args.tls_ca),
+                     key), flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -78,6 +94,41 @@ def up(args, flags: list[Flag]) -> None:
         stop_all([p for p in procs if names.get(p.pid) != "router"])
     if not stopping:
         sys.exit(1)
+
+
+def cluster_env(args) -> dict[str, str]:
+    """The environment of the three processes: they share a cluster token (the one
+    given, else a fresh one for this run) through a variable, as `ps` shows argv; a
+    token file's path goes on the command line instead."""
+    env = {k: v for k, v in os.environ.items() if k != "BATON_CLUSTER_TOKEN"}
+    if not args.cluster_token_file:
+        env["BATON_CLUSTER_TOKEN"] = args.cluster_token or secrets.token_urlsafe(32)
+    return env
+
+
+def given_keys(args) -> list[str]:
+    """--api-key (or BATON_API_KEY), comma-separated or repeated."""
+    given = args.api_key or [os.environ.get("BATON_API_KEY", "")]
+    return [k.strip() for v in given for k in v.split(",") if k.strip()]
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """Every key the router takes: the given ones, then BATON_API_KEY_FILE's (which the
+    router reads too)."""
+    return load_keys(given_keys(args), os.environ.get("BATON_API_KEY_FILE"))
+
+
+def router_launch(args, flags: list[Flag], prefill: str, decode: str, env: dict[str, str]
+                  ) -> tuple[list[str], dict[str, str]]:
+    """The router's flags and environment: every flag the router takes too (TLS, traces,
+    drain grace, model), the workers, and the API keys, in a variable (as `ps` shows
+    argv)."""
+    argv = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode", decode,
+            "--http-port", str(args.http_port)]
+    env = {k: v for k, v in env.items() if k != "BATON_API_KEY"}
+    if given_keys(args):
+        env["BATON_API_KEY"] = ",".join(given_keys(args))
+    return argv, env
 
 
 def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
@@ -97,18 +148,21 @@ def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
     return info.served_model_name or info.model.removesuffix(".gguf")
 
 
-def banner(args, metrics: dict[str, int], model: str) -> str:
-    http, grpc_port = f"http://localhost:{args.http_port}", args.port
-    key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    tool_key = f" --api-key {args.api_key}" if args.api_key else ""
+def banner(args, metrics: dict[str, int], model: str, api_key: str | None = None) -> str:
+    host = reachable(args.host)
+    host = "localhost" if is_loopback(host) else host
+    http, grpc_at = f"http://{address(host, args.http_port)}", address(host, args.port)
+    key = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    tool_key = f" --api-key {api_key}" if api_key else ""
+    grpc_key = f" -H 'authorization: Bearer {api_key}'" if api_key else ""
     chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
     sdk = (f"import openai; c = openai.OpenAI(base_url='{http}/v1', "
-           f"api_key='{args.api_key or 'none'}'); "
+           f"api_key='{api_key or 'none'}'); "
            "print(c.chat.completions.create(model=c.models.list().data[0].id, "
            "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)")
     return "\n".join([
         "",
-        f"Baton is up: the OpenAI API on {http}/v1, gRPC on localhost:{grpc_port}",
+        f"Baton is up: the OpenAI API on {http}/v1, gRPC on {grpc_at}",
         f"(prefill :{args.prefill_port}, decode :{args.decode_port}; /metrics on "
         f":{args.http_port}, :{metrics['prefill']} and :{metrics['decode']}). Try:",
         "",
@@ -118,8 +172,8 @@ def banner(args, metrics: dict[str, int], model: str) -> str:
         f'  .venv/bin/python -c "{sdk}"',
         "",
         "  .venv/bin/baton generate --chat 'What is the capital of France?' "
-        f"--address localhost:{grpc_port}{tool_key}",
-        f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{grpc_port} "
+        f"--address {grpc_at}{tool_key}",
+        f"  grpcurl -plaintext{grpc_key} -d '{{\"text\": \"Hello\"}}' {grpc_at} "
         "baton.v1.Generation/Generate",
         "",
         "Ctrl-C stops everything.",

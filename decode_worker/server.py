@@ -4,15 +4,22 @@ A request arrives with its first token and a KV handle. The engine allocates its
 pulls from the prefill worker only those its own prefix cache lacks, and then asks the
 prefill worker to release the lease: the pull counts only if the lease was still held
 (kv_transfer/lease_check.py), else the load-failure policy applies. Every token streams
-as it is sampled. Without a handle the engine computes the prompt itself."""
+as it is sampled. Without a handle the engine computes the prompt itself.
+
+It pulls only from prefill workers it may trust: with a cluster token, those that prove
+in the handshake that they hold it; with mutual TLS, those whose certificate the CA
+signed. Without either (a dev setup) any peer is taken, but what it sends serves only the
+request that asked for it: it never enters the prefix cache (`KVHandle.verified`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from contextlib import aclosing
+from functools import partial
 
 import grpc
 
@@ -51,6 +58,9 @@ log = logging.getLogger(__name__)
 # The handle says how long the prefill worker holds the blocks from when it answered; the
 # router's hop comes out of that, so a pull must start this much before it ends.
 LEASE_MARGIN_S = 2.0
+# A prefill worker that answers the handshake with these will not pair with us as we are.
+REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+           grpc.StatusCode.PERMISSION_DENIED)
 
 
 def _warm_up(receiver: KVReceiver, engine_id: str, timeout_s: float = 10.0) -> None:
@@ -74,22 +84,27 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         self.peers = peers
         self.receiver = receiver  # the transport itself (handshakes, warm-up)
         self.layout: KVLayout = aengine.engine.kv_layout
-        self._connecting: dict[str, asyncio.Lock] = {}
         peers.bind(asyncio.get_running_loop())  # built inside the server's loop
 
     async def _connect(self, address: str, again: bool = False) -> str:
         """Shake hands with the prefill worker at `address`; its engine id. Known
         already: nothing to do, unless `again` (it may have restarted). A peer whose
         engine id is unchanged stays as it is: pulls from it go on meanwhile."""
-        lock = self._connecting.setdefault(address, asyncio.Lock())
-        async with lock:
+        async with self.peers.handshaking(address):
             known = self.peers.by_address.get(address)
             if known is not None and not again:
                 return known
             stub = self.peers.stub(address)
+            nonce = secrets.token_bytes(16)
             try:
                 reply = await stub.Handshake(wk.HandshakeRequest(
-                    engine_id=self.engine_id, layout=layout_message(self.layout)), timeout=10)
+                    engine_id=self.engine_id, layout=layout_message(self.layout),
+                    nonce=nonce), timeout=10)
+                cluster = self.peers.security.cluster
+                if cluster and not cluster.proven(reply.proof, nonce, reply.engine_id,
+                                                  reply.transport, reply.transport_metadata):
+                    raise FailedPrecondition(f"prefill worker {address} cannot prove that it "
+                                             "holds the cluster token: not pulling from it")
                 if reply.engine_id == known:
                     return known
                 layout = layout_from_message(reply.layout)
@@ -105,12 +120,11 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                          ) from None
             except (ConnectionError, ValueError) as e:  # the transport could not reach it
                 raise Unavailable(f"KV transport to {address}: {e}") from None
-            except grpc.aio.AioRpcError as e:
-                cls = (FailedPrecondition if e.code() == grpc.StatusCode.FAILED_PRECONDITION
-                       else Unavailable)
+            except grpc.aio.AioRpcError as e:  # refused (a layout, or our token): for good
+                cls = (FailedPrecondition if e.code() in REFUSED else Unavailable)
                 raise cls(f"handshake with {address}: {e.details()}") from None
             self.peers.forget(address)  # a restart: the old engine id is gone
-            self.peers.add(reply.engine_id, address)
+            self.peers.add(reply.engine_id, address, self.peers.security.verifies_peers)
             log.info("connected to prefill engine %s at %s", reply.engine_id, address)
             return reply.engine_id
 
@@ -124,20 +138,23 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         rid = request.request_id
         if not request.HasField("handle"):
-            await self.aengine.compile(params)
+            grammar = await self.aengine.compile(params)
             # No handle: compute the prompt's KV here (no prefill worker could, or the
             # request migrates from a dead decode worker) and go on after its outputs.
             def resume(engine: LLMEngine):
                 engine.resume_request(list(request.prompt_token_ids),
                                       list(request.output_token_ids), params, request_id=rid,
                                       priority=request.priority,
-                                      cache_salt=request.cache_salt or None)
+                                      cache_salt=request.cache_salt or None, grammar=grammar)
 
             async with aclosing(self._stream(rid, resume, context)) as replies:
                 async for reply in replies:
                     yield reply
             return
         h = request.handle
+        if not h.lease_id:
+            raise InvalidArgument("handle.lease_id: required (the lease the prefill worker "
+                                  "granted)")
         if h.fingerprint and h.fingerprint != self.layout.fingerprint:
             raise FailedPrecondition("KV handle fingerprint does not match this engine's "
                                      "layout")
@@ -151,13 +168,13 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         deadline = (time.monotonic() + h.lease_s - LEASE_MARGIN_S if h.lease_s > 0
                     else float("inf"))
         handle = KVHandle(h.engine_id, h.request_id or rid, h.lease_id, tuple(h.block_ids),
-                          h.num_tokens, deadline)
+                          h.num_tokens, deadline, verified=h.engine_id in self.peers.verified)
 
-        def add(engine: LLMEngine):
+        def add(engine: LLMEngine, grammar):
             engine.add_remote_request(list(request.prompt_token_ids), request.first_token_id,
                                       handle, params, request_id=rid,
                                       priority=request.priority,
-                                      cache_salt=request.cache_salt or None)
+                                      cache_salt=request.cache_salt or None, grammar=grammar)
 
         released = False
 
@@ -168,8 +185,9 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 self.peers.release_soon(handle)
 
         try:
-            await self.aengine.compile(params)  # a failure still releases the lease
-            async with aclosing(self._stream(rid, add, context, release_once)) as replies:
+            grammar = await self.aengine.compile(params)  # a failure still releases the lease
+            admit = partial(add, grammar=grammar)
+            async with aclosing(self._stream(rid, admit, context, release_once)) as replies:
                 async for reply in replies:
                     yield reply
         finally:
@@ -207,7 +225,12 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
 
 
 def serve(config: WorkerConfig) -> None:
-    peers = Peers(Security.of(config))
+    security = Security.of(config)
+    if not security.verifies_peers:
+        log.warning("no --cluster-token and no mutual TLS (--tls-ca): no prefill worker can "
+                    "prove it belongs to the cluster, so the KV pulled from one serves only "
+                    "its own request and never enters the prefix cache")
+    peers = Peers(security)
     made: dict[str, KVReceiver] = {}
 
     def receiver(layout: KVLayout, kv_caches: list) -> KVReceiver:

@@ -90,6 +90,9 @@ class KVHandle:
     `deadline` is the receiver's own estimate (its monotonic clock) of when the lease
     ends; a pull is not started after it. It cannot see stalls before the handle reached
     it, so correctness rests on the lease check, not on the deadline.
+    `verified` is the receiver's word that the engine proved it belongs to the cluster
+    (by the cluster token or mutual TLS): only then may the blocks enter the shared
+    prefix cache; otherwise they serve this request alone.
     """
 
     engine_id: str
@@ -98,6 +101,7 @@ class KVHandle:
     block_ids: tuple[int, ...]
     num_tokens: int
     deadline: float = float("inf")
+    verified: bool = False
 
 
 def check_caches(layout: KVLayout, kv_caches: list) -> int:

@@ -23,8 +23,10 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
     return raw.view(torch.uint8).numpy().tobytes()
 
 
-def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes) -> None:
-    """Inverse of read_blocks: raise ValueError (writing nothing) if the size is wrong."""
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
+                 data: bytes | bytearray) -> None:
+    """Inverse of read_blocks: raise ValueError (writing nothing) if the size is wrong. A
+    bytearray is read in place; bytes are copied once (torch wants a writable buffer)."""
     if not block_ids:
         return
     ref = kv_caches[0]
@@ -33,7 +35,8 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: byte
         raise ValueError(f"got {len(data)} bytes for {len(block_ids)} blocks of "
                          f"{per_block} bytes")
     _, kvh, _, bs, d = ref.shape
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(ref.dtype)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(ref.dtype)
     blocks = flat.view(len(block_ids), len(kv_caches), 2, kvh, bs, d).to(ref.device)
     idx = torch.tensor(block_ids, dtype=torch.long, device=ref.device)
     for layer, kv in enumerate(kv_caches):

@@ -4,7 +4,8 @@ The transport is a function the decode worker passes in (kv_transfer stays free 
 stubs): `fetch(handle, remote_block_ids)` yields the bytes of those blocks in the order of
 kv_transfer/blocks.py. The decode worker's fetch calls the prefill worker's ReadKvBlocks,
 which serves only blocks held under the handle's lease, before and after the read. Loads
-run on a small thread pool; the engine only polls.
+run on a small thread pool; the engine only polls. Each message's whole blocks go into
+the cache as it arrives: a pull never sits in memory whole.
 """
 
 from __future__ import annotations
@@ -65,8 +66,22 @@ class GrpcStreamReceiver(KVReceiver):
             raise ValueError("remote and local block lists differ in length")
         if any(not 0 < b < self.num_blocks for b in local):
             raise ValueError(f"local block ids out of range (1..{self.num_blocks - 1})")
-        data = b"".join(self._fetch(handle, remote))
-        write_blocks(self.kv_caches, local, data)
+        size, pending, done = self.layout.block_bytes, bytearray(), 0
+        for chunk in self._fetch(handle, remote):
+            pending += chunk
+            whole = len(pending) // size
+            if not whole:
+                continue
+            if done + whole > len(local):
+                raise ValueError(f"more than the {len(local)} blocks asked for arrived")
+            cut = whole * size
+            data, pending = ((pending, bytearray()) if cut == len(pending)
+                             else (pending[:cut], pending[cut:]))
+            write_blocks(self.kv_caches, local[done:done + whole], data)
+            done += whole
+        if pending or done != len(local):
+            raise ValueError(f"got {done * size + len(pending)} bytes for {len(local)} "
+                             f"blocks of {size} bytes")
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         with self._lock:

@@ -2,7 +2,8 @@
 WorkerService. A prompt runs (chunked, prefix-cached) to its first token; unless that token
 ends the request, its blocks stay held under a lease and the reply carries a KV handle
 naming the lease. The decode worker that pulls the blocks releases the lease, and trusts
-its pull only if the release finds the lease still held."""
+its pull only if the release finds the lease still held. In the handshake it proves that
+it holds the cluster token, when one is set."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer import make_sender
 from services.engine.engine import LLMEngine
 from services.serving import tracing
+from services.serving.cluster import ClusterToken
 from services.serving.errors import Aborted, InvalidArgument
+from services.serving.security import Security
 from services.worker import spans
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
@@ -34,13 +37,15 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(wk_grpc.PrefillServiceServicer):
     def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str,
-                 transport_metadata: bytes, metrics: WorkerMetrics):
+                 transport_metadata: bytes, metrics: WorkerMetrics,
+                 cluster: ClusterToken | None = None):
         engine = aengine.engine
         self.aengine = aengine
         self.metrics = metrics
         self.engine_id = engine_id
         self.transport = transport
         self.transport_metadata = transport_metadata
+        self.cluster = cluster or ClusterToken(None)
         self.layout = engine.kv_layout
         self.lease_s = engine.config.kv_lease_timeout_s
 
@@ -50,11 +55,12 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         if not rid:
             raise InvalidArgument("request_id: required")
         prompt = list(request.prompt_token_ids)
-        await self.aengine.compile(params)
+        grammar = await self.aengine.compile(params)  # refused here, before the queue
 
         def add(engine: LLMEngine):
             engine.add_request(prompt, params, request_id=rid, priority=request.priority,
-                               cache_salt=request.cache_salt or None, kv_hold=True)
+                               cache_salt=request.cache_salt or None, kv_hold=True,
+                               grammar=grammar)
 
         out = None
         async for o in self.aengine.generate(rid, add):
@@ -77,18 +83,24 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         return reply
 
     async def ReleaseKv(self, request, context):
-        released = self.aengine.release_lease(request.request_id, request.lease_id or None)
+        # Only the grant a handle names: a release must come from whoever saw the handle.
+        if not request.request_id or not request.lease_id:
+            raise InvalidArgument("request_id and lease_id: both are required (the KV "
+                                  "handle's)")
+        released = self.aengine.release_lease(request.request_id, request.lease_id)
         return wk.ReleaseKvResponse(released=released)
 
     async def Handshake(self, request, context):
         self.layout.check_compatible(layout_from_message(request.layout))
-        return wk.HandshakeResponse(engine_id=self.engine_id,
-                                    layout=layout_message(self.layout),
-                                    transport=self.transport,
-                                    transport_metadata=self.transport_metadata)
+        return wk.HandshakeResponse(
+            engine_id=self.engine_id, layout=layout_message(self.layout),
+            transport=self.transport, transport_metadata=self.transport_metadata,
+            proof=self.cluster.prove(request.nonce, self.engine_id, self.transport,
+                                     self.transport_metadata))
 
 
 def serve(config: WorkerConfig) -> None:
+    security = Security.of(config)
     engine = make_engine(config.engine, config.threads)
     sender = make_sender(config.kv_transport, config.engine_id, engine.kv_layout,
                          engine.kv_caches)
@@ -96,6 +108,6 @@ def serve(config: WorkerConfig) -> None:
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(
             PrefillServicer(aengine, config.engine_id, config.kv_transport,
-                            sender.metadata(), metrics), server)
+                            sender.metadata(), metrics, security.cluster), server)
 
     run_worker(config, "prefill", engine, "PrefillService", add, closers=[sender.close])

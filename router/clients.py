@@ -122,7 +122,7 @@ class GrpcWorkerClient:
         finally:
             call.cancel()  # a no-op when done; else the caller left: end it on the worker
 
-    async def release(self, request_id: str, lease_id: int = 0) -> bool:
+    async def release(self, request_id: str, lease_id: int) -> bool:
         reply = await self._unary(lambda: wk_grpc.PrefillServiceStub(self.channel).ReleaseKv(
             wk.ReleaseKvRequest(request_id=request_id, lease_id=lease_id), timeout=10))
         return reply.released
@@ -200,7 +200,7 @@ class LocalWorkerClient:
     async def prefill(self, req, timeout, metadata=()):  # colocated: no prefill worker
         raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")
 
-    async def release(self, request_id: str, lease_id: int = 0) -> bool:
+    async def release(self, request_id: str, lease_id: int) -> bool:
         return False
 
     async def kv_events(self, engine_id: str, after: int, timeout: float):

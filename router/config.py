@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from router.discovery import Target
 from router.policy import Policy
 from services.serving.config import ServiceConfig
+from services.serving.limits import Limits
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,9 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()  # prefill worker addresses, or dns:///name:port
     decode: tuple[str, ...] = ()  # decode worker addresses, or dns:///name:port
     discovery_interval: float = 2.0  # seconds between lookups of dns:/// names
+    # A name that answers nothing (NXDOMAIN, no records) keeps the workers it had this
+    # many seconds before they retire: one bad answer must not empty the cluster.
+    discovery_grace: float = 10.0
     routing: str = "kv"  # "kv": cached prefix against load; "load": load alone
     kv_overlap_weight: float = 1.0  # the cost of a prompt token the worker lacks
     load_weight: float = 64.0  # the cost of a unit of load, in prompt tokens
@@ -25,6 +29,7 @@ class RouterConfig:
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
+    limits: Limits = field(default_factory=Limits)  # the size of one request
     request_timeout: float = 600.0  # the deadline of a request whose client set none
     poll_interval: float = 0.5  # seconds between stats polls of every worker
     worker_timeout: float = 3.0  # a worker silent this long is down (dead or frozen)
@@ -32,6 +37,8 @@ class RouterConfig:
     served_model_name: str | None = None  # the model's name in the OpenAI API
     api_keys: tuple[str, ...] = ()  # callers must bring one of these; none: anyone
     api_key_file: str | None = None  # more keys, one a line
+    # With keys, each key's callers have a prefix cache of their own; True: one for all.
+    shared_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout"):
@@ -43,6 +50,8 @@ class RouterConfig:
             raise ValueError(f"routing must be kv or load, got {self.routing!r}")
         if self.discovery_interval <= 0:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
+        if self.discovery_grace < 0:
+            raise ValueError(f"discovery_grace must be >= 0, got {self.discovery_grace!r}")
         for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -50,21 +50,23 @@ FINISHED = ("stop", "length", "abort", "constraint")
 
 @dataclass
 class Caller:
-    """What the router needs to know of whoever called: how long it may take, and the
-    trace it belongs to."""
+    """What the router needs to know of whoever called: how long it may take, the trace
+    it belongs to, and which API key it brought."""
 
     time_remaining: Callable[[], float | None] = lambda: None
     trace_context: Context | None = None
     attributes: dict = field(default_factory=dict)  # for its span (the OpenAI `user`)
+    key_id: str = ""  # its key's security.key_id ("" without keys): never the key, never logged
 
 
 class Reply:
     """Builds a request's GenerateResponses from the workers' deltas, and keeps what a
     migration needs: every token the client has."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, cache_salt: str):
         self.job = job
-        self.blocks = PromptBlocks(job.prompt_ids, job.request.cache_salt)
+        self.cache_salt = cache_salt  # the request's, in its caller's namespace
+        self.blocks = PromptBlocks(job.prompt_ids, cache_salt)
         self.t0 = time.monotonic()
         self.streamed: list[int] = []
         self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
@@ -100,7 +102,7 @@ class Reply:
         r = self.job.request
         dreq = wk.DecodeRequest(request_id=self.job.request_id,
                                 prompt_token_ids=self.job.prompt_ids, sampling=r.sampling,
-                                priority=r.priority, cache_salt=r.cache_salt)
+                                priority=r.priority, cache_salt=self.cache_salt)
         if lease.live:
             dreq.first_token_id = self.streamed[0]
             dreq.handle.CopyFrom(lease.handle)
@@ -110,11 +112,28 @@ class Reply:
         return dreq
 
 
+class Admission:
+    """Slots of the router's max_inflight held for one request: all of its choices' at
+    once (so none is refused once the response has started), each given back as its
+    choice ends, and whatever is left when the request closes."""
+
+    def __init__(self, router: Router, count: int):
+        self.router, self.held = router, count
+
+    def release(self, count: int = 1) -> None:
+        count = min(count, self.held)
+        self.held -= count
+        r = self.router
+        r.inflight -= count
+        r.metrics.labels(r.metrics.inflight).set(r.inflight)
+
+
 class Router:
     def __init__(self, registry: Registry, intake: Intake, max_inflight: int = 256,
                  request_timeout: float = 600.0, metrics: RouterMetrics | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, shared_prefix_cache: bool = False):
         self.registry = registry
+        self.shared_prefix_cache = shared_prefix_cache  # every key's callers in one cache
         self.served_model_name = served_model_name  # overrides what the workers say
         self.intake = intake
         self.request_timeout = request_timeout
@@ -152,18 +171,32 @@ class Router:
             return named
         return info
 
-    async def tokenize(self, request) -> list[int]:
-        return await self.intake.prompt_ids(request, self.registry.model_info())
-
-    async def generate(self, request: gen.GenerateRequest, caller: Caller
-                       ) -> AsyncIterator[gen.GenerateResponse]:
+    def admit(self, count: int = 1) -> Admission:
+        """`count` of the max_inflight slots at once, or RESOURCE_EXHAUSTED (none held)."""
         m = self.metrics
-        if self.inflight >= self.max_inflight:
+        if self.inflight + count > self.max_inflight:
             m.labels(m.refused).inc()
             raise Overloaded(f"router at capacity: {self.inflight} requests in flight "
                              f"(limit {self.max_inflight})")
-        self.inflight += 1
+        self.inflight += count
         m.labels(m.inflight).set(self.inflight)
+        return Admission(self, count)
+
+    async def tokenize(self, request) -> list[int]:
+        admission = self.admit()  # tokenizing is work too
+        try:
+            return await self.intake.prompt_ids(request, self.registry.model_info())
+        finally:
+            admission.release()
+
+    async def generate(self, request: gen.GenerateRequest, caller: Caller,
+                       admission: Admission | None = None
+                       ) -> AsyncIterator[gen.GenerateResponse]:
+        """One request's stream; it holds one of `admission`'s slots (a choice of a
+        request admitted whole), or takes its own."""
+        m = self.metrics
+        if admission is None:
+            admission = self.admit()
         t0 = last = time.monotonic()
         outcome, generated = None, 0
         span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
@@ -202,8 +235,7 @@ class Router:
             span.set_status(trace.StatusCode.ERROR, str(e))
             raise
         finally:
-            self.inflight -= 1
-            m.labels(m.inflight).set(self.inflight)
+            admission.release()
             if outcome in FINISHED:
                 m.labels(m.success, finished_reason=outcome).inc()
                 m.labels(m.e2e).observe(time.monotonic() - t0)
@@ -212,8 +244,19 @@ class Router:
                 m.labels(m.failure, code=outcome or "CANCELLED").inc()
             span.end()
 
+    def cache_salt(self, job: Job, caller: Caller) -> str:
+        """The salt every block hash of the request folds in (routing, the workers' prefix
+        caches, their KV events): its own `cache_salt` within its caller's namespace, so
+        callers with different API keys never share a cached block, nor learn from
+        `cached_tokens` or `expected_cached_blocks` what another one sent. The key ids
+        have one length: no salt of one namespace can spell another's."""
+        salt = job.request.cache_salt
+        if self.shared_prefix_cache or not caller.key_id:
+            return salt
+        return f"{caller.key_id}/{salt}"
+
     async def _generate(self, job: Job, caller: Caller, ctx: Context):
-        reply = Reply(job)
+        reply = Reply(job, self.cache_salt(job, caller))
         local = self.registry.local_prefill(reply.blocks)
         if local is not None:  # conditional disaggregation: the decode worker prefills
             first, lease = None, PrefillLease(None, job.request_id)
@@ -236,7 +279,7 @@ class Router:
         job, r = reply.job, reply.job.request
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
-                                 cache_salt=r.cache_salt)
+                                 cache_salt=reply.cache_salt)
         overloaded, m = None, self.metrics
         for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made

@@ -9,8 +9,10 @@
 Every `interval` seconds each DNS name is resolved again; the registry adds the workers
 that appeared and retires those that vanished. A lookup that fails (timeout, SERVFAIL)
 keeps the workers it found before; a name that does not exist (NXDOMAIN) or has no
-records means none, as a Service with no ready pods. A name with IPv4 and IPv6 records
-counts its IPv4 ones only (a dual-stack pod has both: it is one worker).
+records means none, as a Service with no ready pods (the registry keeps the workers it
+had for --discovery-grace seconds first: one bad answer must not retire them all). A
+name with IPv4 and IPv6 records counts its IPv4 ones only (a dual-stack pod has both: it
+is one worker).
 """
 
 from __future__ import annotations

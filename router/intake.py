@@ -1,10 +1,11 @@
 """What a request becomes before any worker sees it: checked, tokenized, and bounded.
 
-Every check names the field it refuses (INVALID_ARGUMENT). Text and chat content are
-bounded before tokenizing (no tokenizer packs more than MAX_CHARS_PER_TOKEN characters
-into a token, so more than that many per token of max_model_len cannot fit), and the
-tokenizer runs on a worker thread: a multi-megabyte prompt never stalls the event loop
-that streams every other request.
+Every check names the field it refuses (INVALID_ARGUMENT). Counts and lengths come
+first (`Limits`: messages, characters, token ids, stop strings, ids and salts), before
+anything is done per item. Text and chat content are also bounded by the model (no
+tokenizer packs more than MAX_CHARS_PER_TOKEN characters into a token, so more than that
+many per token of max_model_len cannot fit), and the tokenizer runs on a worker thread:
+a multi-megabyte prompt never stalls the event loop that streams every other request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from baton.v1 import generation_pb2 as gen
 from services.serving.convert import chat_messages, sampling_kwargs
 from services.serving.errors import InvalidArgument
+from services.serving.limits import Limits
 from services.serving.sampling_params import SamplingParams
 from services.serving.tokenizer import Tokenizer
 
@@ -36,12 +38,20 @@ class Job:
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer, threads: int = 2):
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None):
         self.tokenizer = tokenizer
+        self.limits = limits or Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
 
     async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
         """Validate `request` against the model (`info`, when a worker has said it)."""
+        check = self.limits.check
+        check("max_request_id_chars", len(request.request_id), "request_id")
+        check("max_cache_salt_chars", len(request.cache_salt), "cache_salt")
+        s = request.sampling
+        check("max_stop", len(s.stop), "sampling.stop")
+        check("max_stop_chars", max(map(len, s.stop), default=0), "sampling.stop")
+        check("max_stop_token_ids", len(s.stop_token_ids), "sampling.stop_token_ids")
         try:  # the engine's own rules, before any worker sees the request
             SamplingParams(**sampling_kwargs(request.sampling))
         except (ValueError, TypeError) as e:
@@ -67,35 +77,41 @@ class Intake:
         """The prompt of a Generate or Tokenize request as token ids."""
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
+            self.limits.check("max_prompt_token_ids", len(request.token_ids.ids), "token_ids")
             return list(request.token_ids.ids)
         limit = MAX_CHARS_PER_TOKEN * (info.max_model_len if info else DEFAULT_MAX_MODEL_LEN)
         if kind == "text":
+            self.limits.check("max_prompt_chars", len(request.text), "text")
             if len(request.text) > limit:
                 raise InvalidArgument(f"text: {len(request.text)} characters cannot fit in "
                                       f"{limit // MAX_CHARS_PER_TOKEN} tokens")
-            return await self._run(self.tokenizer.encode, request.text)
+            return await self.run(self.tokenizer.encode, request.text)
         if kind == "chat":
-            messages = check_chat(request.chat, limit)
-            return await self._run(self.tokenizer.apply_chat_template, messages)
+            messages = check_chat(request.chat, limit, self.limits)
+            return await self.run(self.tokenizer.apply_chat_template, messages)
         raise InvalidArgument("prompt: the request has none (send text, token_ids or chat)")
 
-    async def _run(self, fn, arg):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+    async def run(self, fn, *args):
+        """fn(*args) on the intake's threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_chat(chat: gen.ChatMessages, max_chars: int) -> list[dict[str, str]]:
+def check_chat(chat: gen.ChatMessages, max_chars: int, limits: Limits
+               ) -> list[dict[str, str]]:
     """The messages, or InvalidArgument naming the first bad field."""
     if not chat.messages:
         raise InvalidArgument("chat.messages: empty; send at least one message")
+    limits.check("max_messages", len(chat.messages), "chat.messages")
     total = 0
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(f"chat.messages[{i}].role: {m.role!r} is not one of "
                                   f"{', '.join(CHAT_ROLES)}")
         total += len(m.content)
+    limits.check("max_prompt_chars", total, "chat.messages")
     if total > max_chars:
         raise InvalidArgument(f"chat.messages: {total} characters of content cannot fit in "
                               f"{max_chars // MAX_CHARS_PER_TOKEN} tokens")

@@ -8,12 +8,15 @@ the same prefix follows it at once. A prediction that no event confirms within
 `predict_ttl_s` is forgotten (the request failed, or the worker evicted it unseen).
 
 Memory is bounded: at most `max_blocks` hashes per worker (the oldest go first); the
-confirmed ones mirror the worker's own cache, which its KV budget bounds.
+confirmed ones mirror the worker's own cache, which its KV budget bounds. A prediction or
+an event costs O(its blocks), however full the index: hashes are kept oldest first, each
+one (re)inserted moves to the end, and the bound takes from the front.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from services.serving.block_hash import extend_hashes
 
@@ -51,7 +54,8 @@ class PrefixIndex:
         self.seq = 0  # the last event applied
         self.block_size = 0  # 0 until the first events: nothing known
         self.enabled = True  # the worker caches prefixes at all
-        self._held: dict[bytes, float] = {}  # hash -> 0.0 if confirmed, else predicted at
+        # hash -> 0.0 if confirmed, else when predicted; oldest first
+        self._held: OrderedDict[bytes, float] = OrderedDict()
         self._pruned = time.monotonic()  # when expired predictions were last dropped
 
     def __len__(self) -> int:
@@ -62,18 +66,18 @@ class PrefixIndex:
         stay until they expire: the worker may not have stored them yet)."""
         self.block_size, self.enabled = reply.block_size, reply.enabled
         if reply.snapshot or reply.engine_id != self.engine_id:
-            self._held = {h: t for h, t in self._held.items() if t}
+            self._held = OrderedDict((h, t) for h, t in self._held.items() if t)
         for h in reply.removed:
             self._held.pop(h, None)
         for h in reply.stored:
-            self._held.pop(h, None)  # re-inserted: the newest are the last to go
             self._held[h] = 0.0
+            self._held.move_to_end(h)  # the newest are the last to go
         self.engine_id, self.seq = reply.engine_id, reply.seq
         now = time.monotonic()
         if now - self._pruned > self.predict_ttl_s:
             self._pruned = now
-            self._held = {h: t for h, t in self._held.items()
-                          if not t or now - t <= self.predict_ttl_s}
+            self._held = OrderedDict((h, t) for h, t in self._held.items()
+                                     if not t or now - t <= self.predict_ttl_s)
         self._bound()
 
     def predict(self, prompt: PromptBlocks, now: float | None = None) -> None:
@@ -82,8 +86,8 @@ class PrefixIndex:
         now = time.monotonic() if now is None else now
         for h in prompt.hashes(self.block_size):
             if self._held.get(h, 1.0):  # absent or predicted: (re)predict
-                self._held.pop(h, None)
                 self._held[h] = now
+                self._held.move_to_end(h)
         self._bound()
 
     def match(self, prompt: PromptBlocks, now: float | None = None,
@@ -108,7 +112,5 @@ class PrefixIndex:
         self.engine_id, self.seq = "", 0
 
     def _bound(self) -> None:
-        over = len(self._held) - self.max_blocks
-        if over > 0:  # dicts keep insertion order: the oldest first
-            for h in list(self._held)[:over]:
-                del self._held[h]
+        while len(self._held) > self.max_blocks:
+            self._held.popitem(last=False)  # the oldest

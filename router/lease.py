@@ -3,14 +3,18 @@
 A prefill worker holds a request's KV under a lease until somebody releases it. Once a
 decode worker has answered with the handle, the lease is that worker's business: it
 pulls, confirms the lease and releases it itself (or, on failure, the lease expires).
-Until then the router owns it. So the router releases it on every way out that leaves
-the handle with nobody:
+Until then the router owns it. So the router releases it, naming the lease the handle
+gave, on every way out that leaves the handle with nobody:
 
     the client left or its deadline passed before a decode worker answered
     no decode worker could take the request (or none can pull from that prefill engine:
       the request then recomputes elsewhere, `give_up`)
-    the Prefill call itself failed or was cancelled (a lease may exist that the
-      router never saw: released by request id)
+
+A Prefill call that failed or was cancelled leaves no handle, and no release: a worker
+takes a release only for the lease a handle names (none "by request id", which would let
+a caller end leases it never saw). The prefill worker cleans up itself: a call cancelled
+(or past its deadline) before it answered aborts the request there, lease and all; and
+if the answer was lost on the way, the lease expires (--kv-lease-timeout).
 
 A decode worker that fails before answering leaves the handle to the next one (the
 lease check makes a second pull safe even if the first had started).
@@ -29,7 +33,7 @@ log = logging.getLogger(__name__)
 _PENDING: set[asyncio.Task] = set()  # keeps fire-and-forget releases alive until done
 
 
-def release_soon(client, request_id: str, lease_id: int = 0) -> None:
+def release_soon(client, request_id: str, lease_id: int) -> None:
     """Release in the background: idempotent on the worker; a failure leaves the lease to
     expire there."""
 
@@ -47,7 +51,6 @@ def release_soon(client, request_id: str, lease_id: int = 0) -> None:
 class PrefillLease:
     """A request's lease on one prefill worker, while the router owns it.
 
-        pending   the Prefill call is out: a lease may exist that the router never sees
         live      the worker answered with a handle: a decode worker may take it
         none      nothing held (no worker, the first token ended the request, or a
                   decode worker took the handle over, or it was released)
@@ -57,11 +60,9 @@ class PrefillLease:
         self.worker = worker
         self.request_id = request_id
         self.handle: wk.KvHandle | None = None
-        self._pending = worker is not None
 
     def granted(self, handle: wk.KvHandle | None) -> None:
         """The Prefill call answered: with the handle it holds KV under, or none."""
-        self._pending = False
         self.handle = handle if handle is not None and handle.engine_id else None
 
     @property
@@ -78,13 +79,11 @@ class PrefillLease:
         self.handle = None
 
     def give_up(self) -> None:
-        """Nobody will pull it: release it now (by request id when the router never saw
-        the handle; the worker ignores a release of nothing)."""
+        """Nobody will pull it: release it now (without a handle there is nothing the
+        router may release: see above)."""
         if self.handle is not None:
             release_soon(self.worker.client, self.request_id, self.handle.lease_id)
-        elif self._pending:
-            release_soon(self.worker.client, self.request_id)
-        self.handle, self._pending = None, False
+        self.handle = None
 
     async def __aenter__(self) -> PrefillLease:
         return self

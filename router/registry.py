@@ -7,8 +7,9 @@ A worker's state, from its polls:
     draining  answers with `draining`: no new requests, but what it holds goes on (a
               prefill worker's handles are still pulled: its pairs are kept)
     down      a poll refused, or unanswered for `worker_timeout_s` (dead, frozen,
-              unreachable): calls in flight to it are failed, so their requests move on
-              (the failure rules apply)
+              unreachable), or answered with `engine_stalled_since` (its engine thread
+              stuck): calls in flight to it are failed, so their requests move on (the
+              failure rules apply)
 
 Pairs are keyed by the prefill *engine id* (from its stats): a handle names the engine
 that holds its KV, and a restarted worker comes back under a new id, to be paired anew.
@@ -22,7 +23,9 @@ worker's KV events into its prefix index; picks weigh cached prefix against load
 Workers come from fixed addresses or from DNS names (discovery.py), resolved again every
 `discovery_interval` seconds: new addresses join (polled, then paired), vanished ones are
 retired: no new request goes there, calls in flight go on (or fail over, as from any
-worker), and their channel closes once none is left.
+worker), and their channel closes once none is left. A name that answers nothing at all
+(NXDOMAIN, no records) after it had workers keeps them `discovery_grace` seconds first:
+a DNS blip must not retire the whole cluster at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 from baton.v1 import worker_pb2 as wk
 from router.clients import WorkerError
+from router.config import RouterConfig
 from router.discovery import Target, resolve
 from router.kv_index import PrefixIndex, PromptBlocks
 from router.policy import Policy
@@ -73,7 +77,8 @@ class Registry:
                  on_ready: Callable[[bool, str], Awaitable[None]] | None = None,
                  policy: Policy | None = None, targets: dict[str, list[Target]] | None = None,
                  make_client: Callable[[str], object] | None = None,
-                 discovery_interval: float = 2.0):
+                 discovery_interval: float = 2.0,
+                 discovery_grace: float = RouterConfig.discovery_grace):
         self.prefill = prefill
         self.decode = decode
         self.poll_s = poll_s
@@ -83,8 +88,10 @@ class Registry:
         self.targets = targets or {}  # role -> where its workers are found
         self.make_client = make_client  # address -> a client for it
         self.discovery_interval = discovery_interval
+        self.discovery_grace = discovery_grace
         self.retired: list[Worker] = []  # gone from discovery, calls still in flight
         self._resolved: dict[str, list[str]] = {}  # target -> its addresses, last lookup
+        self._empty_since: dict[str, float] = {}  # target -> when it began to answer none
         self.on_refresh: Callable[[], None] | None = None  # after every round of polls
         self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
@@ -122,13 +129,14 @@ class Registry:
 
     async def discover(self) -> None:
         """Resolve every target again: add the workers that appeared, retire those that
-        vanished. A role whose lookup failed keeps its workers until the next round."""
+        vanished. A target whose lookup failed keeps its workers until the next round; one
+        that answers none keeps them for `discovery_grace` seconds."""
         for role, targets in self.targets.items():
             workers = self.prefill if role == "prefill" else self.decode
             found: dict[str, str] = {}  # address -> target
             for t in targets:
                 try:
-                    self._resolved[t.text] = await resolve(t)
+                    self._found(role, t.text, await resolve(t))
                 except OSError as e:  # keep what it gave last time
                     log.warning("%s workers: %s; keeping the %d it found before", role, e,
                                 len(self._resolved.get(t.text, ())))
@@ -147,6 +155,24 @@ class Registry:
         for w in [w for w in self.retired if not w.client.busy()]:
             self.retired.remove(w)
             await w.client.close()
+
+    def _found(self, role: str, target: str, addresses: list[str]) -> None:
+        """A lookup's answer for `target`; none at all, after some, only past the grace."""
+        if addresses or not self._resolved.get(target):
+            self._resolved[target] = addresses
+            self._empty_since.pop(target, None)
+            return
+        now = time.monotonic()
+        since = self._empty_since.setdefault(target, now)
+        if now - since >= self.discovery_grace:
+            log.warning("%s workers: %s has answered none for %.0f s: retiring them", role,
+                        target, now - since)
+            self._resolved[target] = []
+            del self._empty_since[target]
+        elif since == now:
+            log.warning("%s workers: %s answers none; keeping the %d it found before for "
+                        "%.0f s", role, target, len(self._resolved[target]),
+                        self.discovery_grace)
 
     async def handshakes(self, timeout: float) -> None:
         """Wait for the handshakes under way (at most `timeout` seconds)."""
@@ -202,11 +228,10 @@ class Registry:
             stats = await w.client.stats(timeout=self.worker_timeout_s)
         except WorkerError as e:
             # Refused at once (dead), or no answer within worker_timeout_s (frozen).
-            if w.state != "down":
-                if w.state != "unknown":
-                    log.warning("%s worker %s is down: %s", w.role, w.address, e.code.name)
-                w.state = "down"
-                w.client.fail_inflight()  # those requests move on, as from a dead worker
+            self._down(w, e.code.name)
+            return
+        if stats.engine_stalled_since:  # it answers, but its engine no longer steps
+            self._down(w, f"its engine stalled at {time.ctime(stats.engine_stalled_since)}")
             return
         if w.engine_id is not None and stats.engine_id != w.engine_id:
             log.info("%s worker %s restarted as %s", w.role, w.address, stats.engine_id)
@@ -225,11 +250,21 @@ class Registry:
                 for eid in [e for e in d.pairs if e not in live]:
                     del d.pairs[eid]
 
+    def _down(self, w: Worker, why: str) -> None:
+        if w.state != "down":
+            if w.state != "unknown":
+                log.warning("%s worker %s is down: %s", w.role, w.address, why)
+            w.state = "down"
+            w.client.fail_inflight()  # those requests move on, as from a dead worker
+
     async def _poll_retired(self, w: Worker) -> None:
         """A retired worker is polled only so that, frozen, it still fails its calls."""
         try:
-            await w.client.stats(timeout=self.worker_timeout_s)
+            stats = await w.client.stats(timeout=self.worker_timeout_s)
         except WorkerError:
+            w.client.fail_inflight()
+            return
+        if stats.engine_stalled_since:
             w.client.fail_inflight()
 
     async def _kv_events(self, w: Worker) -> None:

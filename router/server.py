@@ -4,12 +4,14 @@ HTTP API with /metrics beside it, both over the one request path (core.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from contextlib import aclosing
 
 import grpc
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
+from router import wire
 from router.clients import GrpcWorkerClient
 from router.config import RouterConfig
 from router.core import Caller, Router
@@ -29,11 +31,14 @@ GENERATION_METHODS = tuple(method_name(gen, "Generation", m)
 class RouterServicer(gen_grpc.GenerationServicer):
     """Generation over gRPC: protos in, protos out, the router's path in between."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, security: Security | None = None):
         self.router = router
+        self.security = security  # which API key a call brought (the interceptor checked it)
 
     async def Generate(self, request, context):
-        caller = Caller(context.time_remaining, tracing.extract(context.invocation_metadata()))
+        metadata = context.invocation_metadata()
+        key = self.security.grpc_key_id(metadata) if self.security is not None else ""
+        caller = Caller(context.time_remaining, tracing.extract(metadata), key_id=key or "")
         async with aclosing(self.router.generate(request, caller)) as replies:
             async for reply in replies:
                 yield reply
@@ -49,7 +54,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
           targets: dict | None = None, make_client=None) -> Router:
     """The router over the given worker clients, and those its registry finds at
     `targets` (clients from `make_client(address)`); the registry tells `lifecycle` when
-    it can serve (NOT_SERVING until then)."""
+    it can serve (NOT_SERVING until then), and its interceptor the size limits that
+    Generate and Tokenize requests are counted against before protobuf parses them."""
     from services.serving.default_model import default_model_path
     from services.serving.model_source import resolve_tokenizer
 
@@ -59,12 +65,17 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         on_ready=lambda ready, why: lifecycle.set_serving(ready),
                         policy=config.policy(), targets=targets or {},
                         make_client=make_client,
-                        discovery_interval=config.discovery_interval)
+                        discovery_interval=config.discovery_interval,
+                        discovery_grace=config.discovery_grace)
     source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
                                config.revision, config.tokenizer_revision)
-    intake = Intake(Tokenizer(source))
+    intake = Intake(Tokenizer(source), limits=config.limits)
+    lifecycle.request_checks.update({
+        method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
+        method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
     return Router(registry, intake, config.max_inflight, config.request_timeout,
-                  RouterMetrics(config.served_model_name or ""), config.served_model_name)
+                  RouterMetrics(config.served_model_name or ""), config.served_model_name,
+                  config.shared_prefix_cache)
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,
@@ -85,7 +96,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
             else None)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router), server)
+        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
         return [service_name(gen, "Generation"), *(register_more(server) if register_more
                                                     else ())]
 
@@ -105,7 +116,10 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
 
     # Listening first (NOT_SERVING until the registry finds a worker to serve with).
     svc = config.service
-    serve_metrics(svc.metrics_port, [router.metrics.registry, *registries])
+    # What is loaded by now (modules, the tokenizer) lives as long as the process: a full
+    # garbage collection never walks it again, so none pauses every stream for long.
+    gc.freeze()
+    serve_metrics(svc, [router.metrics.registry, *registries])
     await run_server(svc.address, register, lifecycle, idle=idle, on_start=start,
                      on_stop=stop, grace_s=svc.drain_grace, serving_at_start=False,
                      credentials=security.server_credentials(public=True))
@@ -113,7 +127,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
 
 def serve(config: RouterConfig) -> None:
     """Run the router until SIGTERM, then drain its streams."""
-    tracing.setup("baton-router", config.service.otlp_traces_endpoint)
+    tracing.setup("baton-router", config.service)
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
 
     async def main():

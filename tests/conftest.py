@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
@@ -18,7 +19,8 @@ import pytest
 from services.engine import LLM
 from services.engine.default_model import ensure_default_model
 
-_ENGINES: list[LLM] = []
+# Weak: an engine is checked while its fixture keeps it, and freed with it.
+_ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +36,7 @@ def make_llm(model_path):
         # On a GPU each engine would take 90% of it; the session keeps several alive.
         kwargs.setdefault("gpu_memory_utilization", 0.03)
         llm = LLM(**kwargs)
-        _ENGINES.append(llm)
+        _ENGINES.add(llm)
         return llm
 
     return make
@@ -62,7 +64,7 @@ def hf_model(model_path):
 @pytest.fixture(autouse=True)
 def pool_invariant():
     yield
-    for llm in _ENGINES:
+    for llm in list(_ENGINES):
         engine = llm.engine
         assert not engine.has_unfinished_requests(), "a request outlived its test"
         assert not engine.scheduler.leases, "a KV lease outlived its test"

@@ -14,26 +14,27 @@ that disconnects cancels its request everywhere.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.core import Caller, Router
+from router.openai import errors
+from router.openai.body import parse_body
 from router.openai.protocol import ChatRequest, CompletionRequest
-from router.openai.render import Choice, Renderer, error_body, param_of
+from router.openai.render import Choice, Renderer, error_body, event, param_of
 from router.openai.runs import Run
 from services.serving import tracing
-from services.serving.errors import InvalidArgument, Overloaded, ServiceError
+from services.serving.errors import InvalidArgument, ServiceError
 from services.serving.metrics import union
 from services.serving.security import Security
 from services.serving.server import Lifecycle, status_of
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+KEY_ID = "baton.key_id"  # in the ASGI scope: the caller's API key as security.key_id
 
 
 class ApiError(Exception):
@@ -65,10 +66,11 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
         refusal = None
+        key_id = self.security.key_id(headers.get("authorization"))
         if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
             refusal = (413, error_body(InvalidArgument.code,
                                        f"the body is over {MAX_BODY_BYTES} bytes")[1])
-        elif not self.security.key_ok(headers.get("authorization")):
+        elif key_id is None:
             refusal = error_body(grpc.StatusCode.UNAUTHENTICATED,
                                  "a valid API key is required: 'Authorization: Bearer <key>'")
         elif self.lifecycle.draining and scope["method"] == "POST":
@@ -87,15 +89,16 @@ class Guard:
                 body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} "
                                   "bytes")[1]
                 return await JSONResponse(body, status_code=413)(scope, receive, send)
-        replay = {"type": "http.request", "body": b"".join(body), "more_body": False}
+        # Replayed as it came, never joined here: a 31 MB body is joined (if at all) on
+        # the intake's threads, not on the event loop.
+        replay = iter([{"type": "http.request", "body": chunk, "more_body": i < len(body) - 1}
+                       for i, chunk in enumerate(body)])
 
         async def replayed():
-            nonlocal replay
-            if replay is not None:
-                message, replay = replay, None
-                return message
-            return await receive()
+            message = next(replay, None)
+            return message if message is not None else await receive()
 
+        scope[KEY_ID] = key_id  # the routes give it to the router's Caller
         self.lifecycle.inflight += 1
         try:
             await self.app(scope, replayed, send)
@@ -107,6 +110,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
              registries=()) -> FastAPI:
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, security=security, lifecycle=lifecycle)
+    errors.install(app)  # OpenAI's error shape for the rest, and the catch-all outside
 
     def names() -> set[str]:
         info = router.model_info()
@@ -115,14 +119,6 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError):
         return JSONResponse(e.body, status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        status, body = error_body(InvalidArgument.code, f"{param}: {first.get('msg')}",
-                                  param)
-        return JSONResponse(body, status_code=status)
 
     @app.get("/health")
     async def health():
@@ -149,29 +145,31 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             "root": info.model, "max_model_len": info.max_model_len}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        return await complete(body, request, chat=True)
+    async def chat(request: Request):
+        return await complete(request, ChatRequest)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await complete(body, request, chat=False)
+    async def completions(request: Request):
+        return await complete(request, CompletionRequest)
 
-    async def complete(body, request: Request, chat: bool):
+    async def complete(request: Request, kind: type[ChatRequest | CompletionRequest]):
+        chat, intake = kind is ChatRequest, router.intake
         try:
+            # Counted, parsed and built on the intake's threads, never per item on the
+            # event loop (body.py).
+            body = await intake.run(parse_body, await _body(request), kind, intake.limits)
             info = router.model_info()
             if body.model not in names():
                 status, err = error_body(grpc.StatusCode.NOT_FOUND,
                                          f"The model `{body.model}` does not exist.",
                                          "model", "model_not_found")
                 raise ApiError(status, err)
-            requests = body.requests(info.max_model_len)
-            room = router.max_inflight - router.inflight
-            if len(requests) > router.max_inflight:
-                raise InvalidArgument(f"n: {len(requests)} choices are more than the router "
-                                      f"runs at once ({router.max_inflight})")
-            if len(requests) > room:  # all choices or none: never a 429 mid-stream
-                raise Overloaded(f"router at capacity: {router.inflight} requests in flight "
-                                 f"(limit {router.max_inflight})")
+            count = body.prompt_count() * body.n
+            if count > router.max_inflight:
+                raise InvalidArgument(f"n: {count} choices are more than the router runs "
+                                      f"at once ({router.max_inflight})")
+            requests = await intake.run(body.requests, info.max_model_len)
+            admission = router.admit(len(requests))  # all choices or none
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - ServiceError, or a value protobuf refused
@@ -179,8 +177,9 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         want_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         renderer = Renderer(chat, body.model, router.intake.tokenizer.token_text)
         caller = Caller(trace_context=tracing.extract(request.headers),
-                        attributes={"baton.user": body.user} if body.user else {})
-        run = Run(router, requests, body.n, caller)
+                        attributes={"baton.user": body.user} if body.user else {},
+                        key_id=request.scope.get(KEY_ID, ""))
+        run = Run(router, requests, body.n, caller, admission)
         run.start()
         events = run.events().__aiter__()
         watch = asyncio.ensure_future(_disconnected(request))
@@ -211,6 +210,11 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                             watch, chat)
 
     return app
+
+
+async def _body(request: Request) -> list[bytes]:
+    """The body's chunks as they came (the guard read them all), not joined here."""
+    return [chunk async for chunk in request.stream() if chunk]
 
 
 async def _disconnected(request: Request) -> None:
@@ -255,7 +259,7 @@ async def _sse(run: Run, events, first, renderer: Renderer, count: int, n: int,
         choices[i].add(reply)
         body = renderer.chunk(i, reply, i not in started, want_top, include_usage)
         started.add(i)
-        return f"data: {json.dumps(body)}\n\n"
+        return event(body)
 
     try:
         if first is not None:
@@ -263,9 +267,9 @@ async def _sse(run: Run, events, first, renderer: Renderer, count: int, n: int,
         async for i, reply in events:
             yield chunk(i, reply)
         if include_usage:
-            yield f"data: {json.dumps(renderer.usage_chunk(choices, n))}\n\n"
+            yield event(renderer.usage_chunk(choices, n))
     except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
-        yield f"data: {json.dumps(api_error(e, renderer.chat).body)}\n\n"
+        yield event(api_error(e, renderer.chat).body)
     finally:
         await run.close()
     yield "data: [DONE]\n\n"

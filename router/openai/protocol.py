@@ -15,8 +15,6 @@ from services.serving.convert import sampling_message
 from services.serving.errors import InvalidArgument
 from services.serving.sampling_params import StructuredOutput
 
-MAX_N = 128
-
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -42,7 +40,7 @@ class Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # at most --max-n (checked before parsing: body.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -108,6 +106,9 @@ class ChatRequest(Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    def prompt_count(self) -> int:
+        return 1
+
     def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
         self.refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
@@ -134,6 +135,10 @@ class CompletionRequest(Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def prompt_count(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
 
     def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
         self.refuse_unsupported()

@@ -4,6 +4,7 @@ each endpoint's own shape, usage with cached prompt tokens, and errors."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,12 @@ def error_body(code: grpc.StatusCode, message: str, param: str | None = None,
     status, kind = HTTP.get(code, (500, "server_error"))
     return status, {"error": {"message": message, "type": kind, "param": param,
                               "code": err_code}}
+
+
+def event(body: dict) -> str:
+    """One server-sent event. Strict JSON, as every body Baton sends (Starlette's
+    JSONResponse is strict too): a NaN or an infinity raises rather than going out."""
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
 def finish_of(reason: str | None, stop_reason: str | int | None

@@ -2,9 +2,11 @@
 
 For each prompt, choice 0 starts first; once it has its first token its prompt's KV is
 in the prefix cache, and the prompt's other n-1 choices start and hit it: the shared
-prompt is computed once. Events come out in arrival order; the first error ends them
-all. Closing the run (the client left) closes every choice's stream, which cancels the
-worker calls and frees their blocks.
+prompt is computed once. Every choice's slot of --max-inflight is taken before the run
+starts (`Admission`), so a choice that starts later is never refused mid-stream. Events
+come out in arrival order; the first error ends them all. Closing the run (the client
+left) closes every choice's stream, which cancels the worker calls and frees their
+blocks, and gives back the slots of choices that never started.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import asyncio
 from contextlib import aclosing
 
 from baton.v1 import generation_pb2 as gen
-from router.core import Caller, Router
+from router.core import Admission, Caller, Router
 
 
 class Run:
     def __init__(self, router: Router, requests: list[gen.GenerateRequest], n: int,
-                 caller: Caller):
+                 caller: Caller, admission: Admission):
         self.router, self.requests, self.n, self.caller = router, requests, n, caller
+        self.admission = admission  # one slot per request
         self._events: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = len(requests)
@@ -40,7 +43,8 @@ class Run:
 
     async def _pump(self, i: int, first: asyncio.Event | None) -> None:
         try:
-            async with aclosing(self.router.generate(self.requests[i], self.caller)) as out:
+            replies = self.router.generate(self.requests[i], self.caller, self.admission)
+            async with aclosing(replies) as out:
                 async for reply in out:
                     if first is not None:
                         first.set()
@@ -68,3 +72,4 @@ class Run:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.admission.release(self.admission.held)

@@ -24,11 +24,10 @@ class _Server(uvicorn.Server):
 class HttpServer:
     def __init__(self, config: RouterConfig, router: Router, security: Security,
                  lifecycle: Lifecycle, registries=()):
-        host = config.service.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
         app = make_app(router, security, lifecycle, registries)
         svc = config.service
         self.server = _Server(uvicorn.Config(
-            app, host=host, port=config.http_port, log_level="warning", access_log=False,
+            app, host=svc.host, port=config.http_port, log_level="warning", access_log=False,
             lifespan="off", ssl_certfile=svc.tls_cert, ssl_keyfile=svc.tls_key,
             timeout_graceful_shutdown=5))
         self._task: asyncio.Task | None = None

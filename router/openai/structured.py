@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from services.serving import constraint_limits
 from services.serving.errors import InvalidArgument
 from services.serving.sampling_params import StructuredOutput
 
@@ -93,6 +94,10 @@ def _make(field: str, kind: str, value) -> StructuredOutput:
     """One constraint from its JSON value: checked here for its JSON type, then by
     StructuredOutput for its content (the engine's own rules)."""
     if kind == "json" and isinstance(value, (dict, bool)):
+        try:
+            constraint_limits.check_json_value(value)  # before the encoder recurses
+        except ValueError as e:
+            raise InvalidArgument(f"{field}: {e}") from None
         value = json.dumps(value)
     if kind == "json_object":
         return StructuredOutput("json_object")

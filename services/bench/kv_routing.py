@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-from services.bench.serve import kv_shape, pct, run_load, warm_up, worker_stats
+from services.bench.serve import ENV, kv_shape, pct, run_load, warm_up, worker_stats
 from services.bench.workloads import make_workload
 from services.serving.processes import spawn, stop_all, wait_healthy
 
@@ -29,15 +29,16 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_blocks_pulled")
 
 def start(routing: str, threads: int, router_flags: list[str]) -> list:
     quiet = ["--log-level", "WARNING", "--threads", str(threads)]
-    procs = [spawn("prefill", PREFILL, quiet + ["--kv-cache-gib", "2"])]
+    procs = [spawn("prefill", PREFILL, quiet + ["--kv-cache-gib", "2"], env=ENV)]
     try:
-        procs += [spawn("decode", d, quiet + ["--kv-cache-gib", "0.25"]) for d in DECODES]
+        procs += [spawn("decode", d, quiet + ["--kv-cache-gib", "0.25"], env=ENV)
+                  for d in DECODES]
         for address, p in zip((PREFILL, *DECODES), procs, strict=True):
             wait_healthy(address, p, 300)
         procs.append(spawn("router", ROUTER, ["--log-level", "WARNING", "--http-port", "0",
                                               "--prefill", PREFILL, "--decode",
                                               ",".join(DECODES), "--routing", routing,
-                                              *router_flags]))
+                                              *router_flags], env=ENV))
         wait_healthy(ROUTER, procs[-1], 60)
         return procs
     except BaseException:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -30,10 +31,15 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer.base import KVLayout
 from services.bench.workloads import make_workload
+from services.serving.cluster import ClusterToken
 from services.serving.processes import spawn, stop_all, wait_healthy
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281,
          "http": 50252}
+# The services started here share a cluster token, as deployed (the decode worker then
+# caches the KV it pulls); it reaches them through the environment.
+CLUSTER = ClusterToken(os.environ.get("BATON_CLUSTER_TOKEN") or secrets.token_urlsafe(32))
+ENV = {**os.environ, "BATON_CLUSTER_TOKEN": CLUSTER.token}
 
 
 @dataclass
@@ -107,18 +113,18 @@ def start(mode: str, threads: int, worker_threads: int, kv_gib: float,
         if mode == "colocated":
             procs.append(spawn("colocated", f"127.0.0.1:{PORTS['colocated']}",
                                env_flags + ["--threads", str(threads), "--http-port",
-                                            str(PORTS["http"])]))
+                                            str(PORTS["http"])], env=ENV))
             wait_healthy(f"127.0.0.1:{PORTS['colocated']}", procs[0], 300)
             return procs, f"127.0.0.1:{PORTS['colocated']}"
         for role in ("prefill", "decode"):
             procs.append(spawn(role, f"127.0.0.1:{PORTS[role]}",
-                               env_flags + ["--threads", str(worker_threads)]))
+                               env_flags + ["--threads", str(worker_threads)], env=ENV))
         for role, p in zip(("prefill", "decode"), procs, strict=True):
             wait_healthy(f"127.0.0.1:{PORTS[role]}", p, 300)
         procs.append(spawn("router", f"127.0.0.1:{PORTS['router']}",
                            ["--log-level", "WARNING", "--http-port", str(PORTS["http"]),
                             "--prefill", f"127.0.0.1:{PORTS['prefill']}", "--decode",
-                            f"127.0.0.1:{PORTS['decode']}"]))
+                            f"127.0.0.1:{PORTS['decode']}"], env=ENV))
         wait_healthy(f"127.0.0.1:{PORTS['router']}", procs[-1], 60)
         return procs, f"127.0.0.1:{PORTS['router']}"
     except BaseException:
@@ -208,7 +214,7 @@ def compare_apis(args) -> None:
 
 
 def worker_stats(worker: str) -> wk.GetStatsResponse:
-    with grpc.insecure_channel(worker) as channel:
+    with CLUSTER.intercept(grpc.insecure_channel(worker)) as channel:
         return wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest(), timeout=10)
 
 

@@ -65,6 +65,10 @@ class EngineConfig:
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
     kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
     speculative: SpecConfig = SpecConfig()  # speculative decoding; off by default
+    # Structured output: a grammar compile past this fails its request (INVALID_ARGUMENT).
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_threads: int = 2  # the compiler's own threads
+    grammar_compile_queue: int = 16  # compiles queued or running; past it, RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if self.speculative is None:
@@ -98,6 +102,13 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0, got "
+                             f"{self.grammar_compile_timeout_s!r}")
+        for name in ("grammar_compile_threads", "grammar_compile_queue"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got "
+                                 f"{getattr(self, name)!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

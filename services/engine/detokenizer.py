@@ -3,12 +3,15 @@
 Each step decodes only a small window of token ids: the tokens already turned into text
 last step (`_prefix_offset:_read_offset`) plus the new ones, and emits the difference, as
 vLLM and TGI do. Text is held back while it ends in an incomplete UTF-8 character, and
-while its tail could still be the start of a stop string.
+while its tail could still be the start of a stop string. Stop strings are matched by one
+automaton over all of them (stop_matcher.py): O(new text) a step, however many there are.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
+
+from services.engine.stop_matcher import StopMatcher
 
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
@@ -28,8 +31,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._include_stop = include_stop_str_in_output
-        self._stop = tuple(s for s in stop if s)
-        self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._stops = StopMatcher(tuple(s for s in stop if s))
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         # A prompt ending mid-character would make the window's prefix text unstable.
         if self._decode(context).endswith(REPLACEMENT_CHAR):
@@ -57,7 +59,7 @@ class IncrementalDetokenizer:
         self._append(self._decode_new(final=False))
         if self._stop_matched is not None:
             return self._take(len(self._text))
-        return self._take(len(self._text) - self._held_back())
+        return self._take(len(self._text) - self._stops.held)
 
     def flush(self) -> str:
         """The request ended for another reason: return any text still held back."""
@@ -80,29 +82,18 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _append(self, delta: str) -> None:
-        """Add decoded text, and cut it at the first stop string that now appears."""
+        """Add decoded text, and cut it at the first stop string that completes in it."""
         if not delta:
             return
-        old_len = len(self._text)
-        self._text += delta
-        start = max(0, old_len - self._longest_stop + 1)
-        best: tuple[int, int, str] | None = None
-        for s in self._stop:
-            pos = self._text.find(s, start)
-            if pos >= 0 and (best is None or (pos, len(s)) < best[:2]):
-                best = (pos, len(s), s)
-        if best is not None:
-            pos, length, self._stop_matched = best
-            self._text = self._text[: pos + length if self._include_stop else pos]
-            self._emitted = min(self._emitted, len(self._text))
-
-    def _held_back(self) -> int:
-        """How many trailing characters could still be the start of a stop string."""
-        for k in range(min(self._longest_stop - 1, len(self._text)), 0, -1):
-            tail = self._text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+        found = self._stops.feed(delta)
+        if found is None:
+            self._text += delta
+            return
+        end, self._stop_matched = found
+        self._text += delta[:end]
+        if not self._include_stop:
+            self._text = self._text[: len(self._text) - len(self._stop_matched)]
+        self._emitted = min(self._emitted, len(self._text))
 
     def _take(self, end: int) -> str:
         end = max(end, self._emitted)

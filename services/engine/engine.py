@@ -22,6 +22,7 @@ from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.generation_config import read_generation_config
+from services.engine.grammar_compiler import GrammarCompiler
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.loader import load_checkpoint, resolve_model_path
 from services.engine.model_runner import ModelRunner
@@ -29,9 +30,9 @@ from services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.spec_decode import NgramProposer
-from services.engine.structured_output import GrammarCompiler
 from services.engine.tokenizer import load_tokenizer
 from services.serving.kv_events import KvEventLog
+from services.serving.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
 from services.serving.model_source import model_commit, model_name, resolve_tokenizer
 from services.serving.sampling_params import SamplingParams
 
@@ -95,8 +96,10 @@ class LLMEngine:
                                    lease_timeout_s=config.kv_lease_timeout_s,
                                    load_failure_policy=config.kv_load_failure_policy)
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size,
-                                        tuple(model_config.eos_token_ids))
+        self.grammars = GrammarCompiler(
+            self.tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
+            timeout_s=config.grammar_compile_timeout_s,
+            threads=config.grammar_compile_threads, max_pending=config.grammar_compile_queue)
         self.spec = (NgramProposer(config.speculative, self.max_model_len)
                      if config.speculative.method is not None else None)
         self.model_info = ModelInfo(
@@ -120,14 +123,16 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    cache_salt: str | None = None, kv_hold: bool = False) -> str:
+                    cache_salt: str | None = None, kv_hold: bool = False,
+                    grammar=None) -> str:
         """Validate and queue a request; raise ValueError (nothing queued) on bad input.
+        `grammar`: its constraint compiled (`grammars.submit`); never compiled here.
 
         `kv_hold` (prefill role): the request ends after its first token unless that token
         finishes it, and its blocks stay held under a lease (`kv_block_ids` and
         `kv_lease_id` in that output) until release_lease() or the lease timeout.
         """
-        req = self._make_request(prompt, params, request_id, priority, cache_salt)
+        req = self._make_request(prompt, params, request_id, priority, cache_salt, grammar)
         req.kv_hold = kv_hold
         self._queue(req)
         return req.request_id
@@ -135,7 +140,7 @@ class LLMEngine:
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
                            handle: KVHandle, params: SamplingParams | None = None,
                            request_id: str | None = None, priority: int = 0,
-                           cache_salt: str | None = None) -> str:
+                           cache_salt: str | None = None, grammar=None) -> str:
         """Decode role: continue a request whose prompt KV sits on another engine and whose
         first token was sampled there. Only blocks missing from our prefix cache are pulled;
         the request then decodes in the running batch."""
@@ -147,18 +152,18 @@ class LLMEngine:
             raise ValueError(f"remote KV has {len(handle.block_ids)} blocks, {n} tokens need "
                              f"{need}")
         return self.resume_request(prompt_token_ids, [first_token], params, request_id,
-                                   priority, cache_salt, handle)
+                                   priority, cache_salt, handle, grammar)
 
     def resume_request(self, prompt_token_ids: list[int], output_token_ids: list[int],
                        params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       handle: KVHandle | None = None) -> str:
+                       handle: KVHandle | None = None, grammar=None) -> str:
         """Continue a request whose first outputs were sampled elsewhere (a prefill engine,
         or a decode engine that died): without a handle, its KV is computed here. The
         outputs count toward max_tokens, and the detokenizer and a seeded generator are
         brought to the state they would have had, so the stream goes on seamlessly."""
         req = self._make_request(list(prompt_token_ids), params, request_id, priority,
-                                 cache_salt)
+                                 cache_salt, grammar)
         outs = list(output_token_ids)
         vocab = self.model_config.vocab_size
         bad = next((t for t in outs if not isinstance(t, int) or not 0 <= t < vocab), None)
@@ -185,10 +190,16 @@ class LLMEngine:
         self._detok[req.request_id].update(outs)
         return req.request_id
 
-    def _make_request(self, prompt, params, request_id, priority, cache_salt) -> Request:
+    def _make_request(self, prompt, params, request_id, priority, cache_salt,
+                      grammar) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
+        if request_id is not None:
+            check_ceiling("request_id", len(request_id), REQUEST_ID_CEILING, "characters")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        check_ceiling("cache_salt", len(cache_salt or ""), CACHE_SALT_CEILING, "characters")
         token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -200,12 +211,10 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         req = Request(request_id, token_ids, params, self.model_config.eos_token_ids,
                       priority, cache_salt=cache_salt)
         if params.structured is not None:
-            req.grammar = self.grammars.matcher(params.structured)  # ValueError if bad
+            req.grammar = self.grammars.matcher(params.structured, grammar)
         return req
 
     def _queue(self, req: Request) -> None:

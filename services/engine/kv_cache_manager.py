@@ -15,6 +15,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already in the cache map
+        self._private: set[str] = set()  # requests whose blocks are never published
         self.num_queries = 0  # prompt tokens looked up
         self.num_hits = 0  # of which found cached
 
@@ -82,7 +83,7 @@ class KVCacheManager:
         """Put every block that is full once this step has run into the cache map. Another
         request may hit it in this same step: each layer writes the step's K/V before any
         attention reads them, so its contents are there in time."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id in self._private:
             return
         blocks = self._blocks.get(request.request_id, [])
         hashes = self._hashes(request)
@@ -92,11 +93,18 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_published[request.request_id] = max(done, num_full)
 
+    def keep_private(self, request: Request) -> None:
+        """Never publish the blocks the request holds now or gets later (its KV came from
+        a source nobody vouched for, and what it computes next attends to that KV), until
+        it lets them go: after free() (a preemption), what it recomputes is its own."""
+        self._private.add(request.request_id)
+
     def free(self, request: Request) -> None:
         """Return every block of the request to the pool, tail blocks first (so they are
         evicted first, and the shared head of a prefix stays cached longest)."""
         blocks = self._blocks.pop(request.request_id, [])
         self._num_published.pop(request.request_id, None)
+        self._private.discard(request.request_id)
         self.pool.free_blocks(reversed(blocks))
 
     def take(self, request: Request) -> list[KVCacheBlock]:
@@ -104,6 +112,7 @@ class KVCacheManager:
         (a pull that timed out, whose transport may still write) and frees them later
         with free_blocks."""
         self._num_published.pop(request.request_id, None)
+        self._private.discard(request.request_id)
         return self._blocks.pop(request.request_id, [])
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

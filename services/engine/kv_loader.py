@@ -9,9 +9,11 @@ while its KV is in flight. Its contract:
   unpublished and the receiver starts copying into them. Returns False, with nothing
   changed, when the pool is short. A handle already past its deadline starts no pull: it
   lands as failed at the next `land`.
-- `land()`: every pull the receiver reports done. On success the blocks are published to
-  the prefix cache and the prompt counts as computed; on failure the request's blocks are
-  freed. Returns (request, error or None) for each live request; requests abandoned
+- `land()`: every pull the receiver reports done. On success the prompt counts as
+  computed, and the blocks are published to the prefix cache if the handle is `verified`
+  (else the request's blocks, pulled or computed on them, are never published: an
+  unverified peer's bytes serve only their own request); on failure the request's blocks
+  are freed. Returns (request, error or None) for each live request; requests abandoned
   while loading are freed here and not returned.
 - `abandon(request)`: the request ended while its pull is in flight. Its blocks stay
   allocated until the receiver lets go of them (it may still write), then `land` frees
@@ -84,6 +86,8 @@ class RemoteKVLoader:
         remote_ids = list(handle.block_ids[len(hits):])
         self.num_blocks_local += len(hits)
         self.loading[req.request_id] = req
+        if not handle.verified:
+            self.kv.keep_private(req)
         if not remote_ids:  # every block was in our own prefix cache
             self._settled[req.request_id] = None
             return True

@@ -12,8 +12,8 @@ Contract:
   blocks stay allocated until the engine thread's next `collect`, so nothing can reuse
   them before the lease is seen to have ended. Every other call runs on the engine
   thread; `release` is `revoke` and `collect` in one.
-- `lease_id` None releases whatever lease the request holds (the router, which never saw
-  the handle, cleaning up after a client that left).
+- `lease_id` None releases whatever lease the request holds: the engine's own abort of
+  the request. No caller over the wire may (ReleaseKv needs the handle's lease id).
 - `expire(now)` ends every lease past its expiry: a decode worker that never came.
 """
 

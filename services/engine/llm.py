@@ -45,10 +45,13 @@ class LLM:
             salts = list(cache_salt)
             if len(salts) != len(prompts):
                 raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts")
+        # Constraints compile here, before anything is queued (never inside step()).
+        constraints = [getattr(p, "structured", None) for p in params]
+        grammars = [c if c is None else self.engine.grammars.compile(c) for c in constraints]
         ids = []
         try:
-            for prompt, p, salt in zip(prompts, params, salts, strict=True):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=salt))
+            for prompt, p, salt, g in zip(prompts, params, salts, grammars, strict=True):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, grammar=g))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.engine.gguf_cache import read_converted, write_through
 from services.engine.model_config import ModelConfig
 from services.serving.model_source import resolve_model
 
@@ -80,12 +81,19 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The config and HF-named fp32 weights of a GGUF file: from its converted copy
+    (gguf_cache.py) when there is one, else dequantized now and the copy written."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    cached = read_converted(path)
+    if cached is not None:
+        meta, has_output, tensors, count = cached
+        return ModelConfig.from_gguf(meta, has_output), _progress(tensors, count, path.name)
     reader = GGUFReader(str(path))
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(_gguf_meta(reader), "output.weight" in names)
+    meta = _gguf_meta(reader)
+    config = ModelConfig.from_gguf(meta, "output.weight" in names)
     permuted = config.family in ("llama", "mistral")
     gemma = config.family.startswith("gemma")
     layer_names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
@@ -111,7 +119,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
                 w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
             yield name, w
 
-    return config, _progress(weights(), len(reader.tensors), path.name)
+    tensors = write_through(path, meta, "output.weight" in names, weights())
+    return config, _progress(tensors, len(reader.tensors), path.name)
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

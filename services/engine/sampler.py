@@ -8,6 +8,7 @@ only through pinned, non-blocking copies. The step's one device-to-host transfer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +230,8 @@ class Sampler:
             return SamplerOutput(tokens, accepted, None, None)
         c = 2 if any_draft else 1  # the first logprob column
         n_max = max(n for n in want_n if n is not None)
-        top = [[(int(r[c + 1 + j]), r[c + 1 + n_max + j]) for j in range(n or 0)]
+        # A token a constraint masked has logprob -inf: it is left out of the top N.
+        top = [[(int(r[c + 1 + j]), r[c + 1 + n_max + j]) for j in range(n or 0)
+                if math.isfinite(r[c + 1 + n_max + j])]
                for r, n in zip(host, want_n, strict=True)]
         return SamplerOutput(tokens, accepted, [r[c] for r in host], top)

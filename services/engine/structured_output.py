@@ -1,8 +1,9 @@
 """Structured output: grammars compiled by xgrammar, one matcher per request, and the
 batch's allowed-token mask applied to the logits before sampling.
 
-    add_request:  compile(constraint) -> CompiledGrammar    (cached by its text)
-                  GrammarMatcher(compiled)  on the request   (its state: the output so far)
+    before add:   compile(constraint) -> CompiledGrammar    (grammar_compiler.py: its own
+                                                             threads, a time limit, an LRU)
+    add_request:  GrammarMatcher(compiled)  on the request   (its state: the output so far)
     each step:    fill one bitmask row per sampling row of a constrained request (in a
                   thread, while the forward pass runs); logits[row] = -inf where the bit is 0
     after it:     the matcher accepts each emitted token; once it terminates, the request
@@ -17,94 +18,11 @@ imports it.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
-
-from services.serving.sampling_params import StructuredOutput
-
-CACHE_SIZE = 64  # compiled grammars kept, least recently used first out
-
-
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary; thread-safe (the workers
-    compile on the event loop's thread pool before the engine thread admits)."""
-
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
-        self._lock = threading.Lock()
-        self._compiler = None
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
-
-    def _xgr(self):
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size,
-                    stop_token_ids=self.stop_token_ids)
-                # Our LRU below is the only cache: xgrammar's own would grow without
-                # bound with every distinct schema a long-running server sees.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-            return self._compiler
-
-    def compile(self, constraint: StructuredOutput):
-        """The compiled grammar; ValueError naming the problem if it cannot compile."""
-        with self._lock:
-            hit = self._cache.get(constraint.key)
-            if hit is not None:
-                self._cache.move_to_end(constraint.key)
-                return hit
-        compiler = self._xgr()
-        try:
-            compiled = _compile(compiler, constraint)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and others
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(f"structured output {constraint.kind}: cannot compile: "
-                             f"{msg}") from None
-        with self._lock:
-            self._cache[constraint.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def matcher(self, constraint: StructuredOutput) -> GrammarState:
-        import xgrammar as xgr
-
-        return GrammarState(xgr.GrammarMatcher(self.compile(constraint)))
-
-
-def _compile(compiler, c: StructuredOutput):
-    import xgrammar as xgr
-
-    # Compact JSON (no free whitespace): small models left free to emit whitespace can
-    # emit it forever, and a parse does not care.
-    if c.kind == "json":
-        return compiler.compile_json_schema(c.spec, any_whitespace=False)
-    if c.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-    if c.kind == "regex":
-        return compiler.compile_regex(c.spec)
-    if c.kind == "choice":
-        alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in c.choices)
-        return compiler.compile_grammar(f"root ::= {alts}")
-    # "grammar": GBNF (xgrammar's EBNF); a Lark grammar, as vLLM's guidance backend
-    # takes, is read too. The EBNF error is reported when neither parses.
-    try:
-        return compiler.compile_grammar(c.spec)
-    except Exception as ebnf_error:  # noqa: BLE001
-        try:
-            return compiler.compile_grammar(xgr.Grammar.from_lark(c.spec))
-        except Exception:  # noqa: BLE001
-            raise ebnf_error from None
 
 
 class GrammarState:

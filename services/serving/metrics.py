@@ -3,6 +3,8 @@ the same dashboards read both, and the /metrics port."""
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.serving.config import ServiceConfig
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -36,7 +38,14 @@ def union(registries) -> CollectorRegistry:
     return merged
 
 
-def serve_metrics(port: int, registries) -> None:
-    """Prometheus /metrics on `port` (a thread of prometheus_client's); 0: none."""
-    if port:
-        start_http_server(port, registry=union(registries))
+def serve_metrics(service: ServiceConfig, registries):
+    """Prometheus /metrics on the service's --metrics-port (0: none), in a thread of
+    prometheus_client's: on --metrics-host, else the service's own host; over TLS with
+    the service's certificate when it has one (no client certificate asked). Returns
+    the HTTP server (None without a port)."""
+    if not service.metrics_port:
+        return None
+    server, _ = start_http_server(service.metrics_port, service.metrics_bind,
+                                  registry=union(registries), certfile=service.tls_cert,
+                                  keyfile=service.tls_key)
+    return server

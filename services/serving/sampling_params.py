@@ -6,6 +6,14 @@ import json
 import math
 from dataclasses import dataclass
 
+from services.serving import constraint_limits
+from services.serving.limits import (
+    STOP_CEILING,
+    STOP_CHARS_CEILING,
+    STOP_TOKEN_IDS_CEILING,
+    check_ceiling,
+)
+
 _EPS = 1e-5
 
 # The kinds of structured output, as vLLM's StructuredOutputsParams names them.
@@ -31,6 +39,7 @@ class StructuredOutput:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
                              f"got {self.kind!r}")
+        constraint_limits.check(self.kind, self.spec, self.choices)  # before any parse
         if self.kind == "choice":
             if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
                 raise ValueError("structured output choice: needs one or more non-empty "
@@ -88,6 +97,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Counted first: every later check (and the engine's stop matcher) is per item.
+        check_ceiling("stop", len(self.stop), STOP_CEILING, "strings")
+        check_ceiling("stop_token_ids", len(self.stop_token_ids), STOP_TOKEN_IDS_CEILING,
+                      "ids")
+        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
+        check_ceiling("stop strings", longest, STOP_CHARS_CEILING, "characters")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",

@@ -8,18 +8,24 @@ router and the workers.
     internal (workers)           with --tls-ca, a caller must show a certificate signed
                                  by that CA; the router and the decode workers present
                                  theirs (--tls-cert/--tls-key) when they call a worker.
+                                 A worker dialed by IP (found by DNS) must show a
+                                 certificate for --tls-server-name, when given.
+                                 With --cluster-token, every call but health must carry
+                                 the token (services/serving/cluster.py). Both may be on.
 
 NIXL moves KV blocks outside gRPC, unencrypted: keep the workers' network private.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
 
+from services.serving.cluster import ClusterToken
 from services.serving.config import ServiceConfig
 from services.serving.server import CHANNEL_OPTIONS
 
@@ -39,11 +45,21 @@ def load_keys(keys: Iterable[str], key_file: str | None) -> tuple[str, ...]:
     return tuple(found)
 
 
+def key_id(key: str) -> str:
+    """A name for an API key that does not give it away (an HMAC keyed with the key
+    itself), the same in every router: what the router knows its callers by, and their
+    prefix cache namespace. Never the key itself, in logs or on the way to a worker."""
+    return hmac.new(key.encode(), b"baton-api-key-id", hashlib.sha256).hexdigest()[:32]
+
+
 class Security:
     def __init__(self, service: ServiceConfig, api_keys: tuple[str, ...] = ()):
         self.cert, self.key = _read(service.tls_cert), _read(service.tls_key)
         self.ca = _read(service.tls_ca)
+        self.server_name = service.tls_server_name  # what the workers' certificates name
+        self.cluster = ClusterToken(service.cluster_secret())
         self.api_keys = api_keys
+        self._key_ids = {k: key_id(k) for k in api_keys}
 
     @staticmethod
     def of(config) -> Security:
@@ -55,12 +71,23 @@ class Security:
 
     def key_ok(self, authorization: str | None) -> bool:
         """Whether an `Authorization` value carries one of the keys (always, with none)."""
+        return self.key_id(authorization) is not None
+
+    def key_id(self, authorization: str | None) -> str | None:
+        """Which key an `Authorization` value carries, as `key_id(key)` ("" with no keys
+        configured: every caller is the same); None when it carries none of them."""
         if not self.api_keys:
-            return True
+            return ""
         scheme, _, token = (authorization or "").partition(" ")
         given = token.strip().encode("utf-8", "replace")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(given, k.encode()) for k in self.api_keys)
+        if scheme.lower() != "bearer":
+            return None
+        return next((self._key_ids[k] for k in self.api_keys
+                     if hmac.compare_digest(given, k.encode())), None)
+
+    def grpc_key_id(self, metadata) -> str | None:
+        """`key_id` of a gRPC call's `authorization` metadata."""
+        return self.key_id(next((v for k, v in metadata or () if k == "authorization"), None))
 
     def grpc_check(self, methods: Iterable[str]) -> Callable[[str, tuple], str | None]:
         """For the interceptor: (method, metadata) -> why the call is refused, or None."""
@@ -93,17 +120,34 @@ class Security:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
+    @property
+    def verifies_peers(self) -> bool:
+        """Whether this service tells its cluster from strangers: by the cluster token
+        (and a prefill worker's proof of it), or by certificates checked against
+        --tls-ca."""
+        return bool(self.cluster) or self.ca is not None
+
     def aio_channel(self, address: str) -> grpc.aio.Channel:
-        creds = self.channel_credentials()
+        """A channel to a worker: TLS as above, the cluster token on every call."""
+        creds, interceptors = self.channel_credentials(), self.cluster.aio_interceptors()
         if creds is None:
-            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                             interceptors=interceptors)
+        return grpc.aio.secure_channel(address, creds, options=self._tls_options(),
+                                       interceptors=interceptors)
 
     def channel(self, address: str) -> grpc.Channel:
         creds = self.channel_credentials()
         if creds is None:
-            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            return self.cluster.intercept(grpc.insecure_channel(address,
+                                                                options=CHANNEL_OPTIONS))
+        return self.cluster.intercept(grpc.secure_channel(address, creds,
+                                                          options=self._tls_options()))
+
+    def _tls_options(self) -> list[tuple[str, object]]:
+        if self.server_name is None:
+            return CHANNEL_OPTIONS
+        return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", self.server_name)]
 
 
 def client_credentials(ca: str | None = None, cert: str | None = None,

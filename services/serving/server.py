@@ -30,13 +30,19 @@ from grpc_reflection.v1alpha import reflection
 
 from kv_transfer.base import IncompatibleLayout
 from services.serving.config import DRAIN_GRACE_S
-from services.serving.errors import ServiceError, retry_metadata
+from services.serving.errors import InvalidArgument, ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channels between services retry a peer that went away at least every RECONNECT_MAX_MS:
+# gRPC's own backoff grows to two minutes (and every channel of a process to that address
+# shares it), so a worker restarted on its address went unseen, or unpaired, that long.
+RECONNECT_FIRST_MS, RECONNECT_MAX_MS = 250, 1000
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
 DRAIN_POLL_S = 0.05
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
                         health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -54,8 +60,12 @@ class Lifecycle:
         self.inflight = 0  # work calls in flight
         self.health = HealthServicer()
         self.names: list[str] = []  # the service names health advertises
-        # (method, metadata) -> why the caller may not call it, or None (API keys)
+        # (method, metadata) -> why the caller may not call it, or None: API keys on a
+        # router, the cluster token on a worker (UNAUTHENTICATED)
         self.authorize: Callable[[str, tuple], str | None] | None = None
+        # method -> a check of its raw request before protobuf parses it (a cheap count
+        # that raises a ServiceError naming the field: the router's size limits)
+        self.request_checks: dict[str, Callable[[bytes], None]] = {}
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining);
@@ -76,6 +86,34 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
+class Undecodable:
+    """A request whose bytes were refused before any handler ran (not valid protobuf,
+    invalid UTF-8 in a string field, or over a size limit): the handler's wrapper aborts
+    with `error`'s status, where gRPC itself would answer UNKNOWN."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], object] | None,
+              check: Callable[[bytes], None] | None) -> Callable[[bytes], object] | None:
+    if deserialize is None:
+        return None
+
+    def load(raw: bytes):
+        try:
+            if check is not None:
+                check(raw)
+            return deserialize(raw)
+        except ServiceError as e:
+            return Undecodable(e)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever its class
+            return Undecodable(InvalidArgument(
+                "request: not valid protobuf / invalid UTF-8 in a string field"))
+
+    return load
+
+
 async def _abort(context, e: Exception, method: str):
     code, details = status_of(e)
     if code == grpc.StatusCode.INTERNAL and not isinstance(e, ServiceError):
@@ -86,7 +124,9 @@ async def _abort(context, e: Exception, method: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to status codes; refuses and counts work calls (see Lifecycle)."""
+    """Maps exceptions to status codes; refuses and counts work calls (see Lifecycle);
+    refuses requests that do not decode, or fail their method's raw check, with
+    INVALID_ARGUMENT (or the check's own status)."""
 
     def __init__(self, lifecycle: Lifecycle):
         self.lifecycle = lifecycle
@@ -97,9 +137,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method, state = details.method, self.lifecycle
         work = method in state.work_methods
+        load = _tolerant(handler.request_deserializer, state.request_checks.get(method))
 
         @asynccontextmanager
-        async def guarded(context):
+        async def guarded(context, request):
             if state.authorize is not None:
                 refused = state.authorize(method, context.invocation_metadata())
                 if refused:
@@ -107,6 +148,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if work and state.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"draining: this service takes no new {method} calls")
+            if isinstance(request, Undecodable):
+                await _abort(context, request.error, method)
             state.inflight += work
             try:
                 yield
@@ -121,11 +164,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request, context):
-                async with guarded(context):
+                async with guarded(context, request):
                     return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer,
+                unary, request_deserializer=load,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(
                 handler.unary_stream):
@@ -133,22 +176,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request, context):
                 # aclosing: a cancelled call closes the handler's generator now.
-                async with guarded(context), aclosing(inner_stream(request, context)) as replies:
+                async with guarded(context, request), aclosing(
+                        inner_stream(request, context)) as replies:
                     async for reply in replies:
                         yield reply
 
             return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
+                stream, request_deserializer=load,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:  # writes with context.write (Health.Watch)
             inner_writer = handler.unary_stream
 
             async def writer(request, context):
-                async with guarded(context):
+                async with guarded(context, request):
                     return await inner_writer(request, context)
 
             return grpc.unary_stream_rpc_method_handler(
-                writer, request_deserializer=handler.request_deserializer,
+                writer, request_deserializer=load,
                 response_serializer=handler.response_serializer)
         return handler  # client streaming: none of ours
 

@@ -1,7 +1,12 @@
-"""Traces (OpenTelemetry), optional: with `--otlp-traces-endpoint` a service exports its
-spans there (OTLP over gRPC); without it every call here costs next to nothing (the API's
-no-op tracer). The W3C `traceparent` travels in gRPC metadata and HTTP headers, so one
-request is one trace across the router, its prefill worker and its decode worker:
+"""Traces (OpenTelemetry), optional: with `--otlp-traces-endpoint` (or OTel's own
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT) a service exports its
+spans there (OTLP over gRPC, over TLS unless `--otlp-insecure`, an http:// endpoint or
+OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=true says otherwise); without one every call here
+costs next to nothing (the API's no-op tracer). What the flags do not say, OTel's
+exporter reads from its OTEL_* variables (certificates, headers, timeout), and
+OTEL_SERVICE_NAME names the service. The W3C `traceparent` travels in gRPC metadata
+and HTTP headers, so one request is one trace across the router, its prefill worker and
+its decode worker:
 
     router    generate ─┬─ prefill call ──> prefill worker: queue, prefill
                         └─ decode call  ──> decode worker:  kv pull, decode
@@ -11,27 +16,55 @@ Workers record their spans after the fact, from the engine's own timestamps.
 
 from __future__ import annotations
 
+import os
 import time
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
+from services.serving.config import ServiceConfig
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _provider = None
 
 
-def setup(service: str, endpoint: str | None) -> None:
-    """Export this process's spans to `endpoint` (host:port of an OTLP gRPC collector)."""
+def exporter_options(config: ServiceConfig, environ=os.environ) -> dict | None:
+    """The OTLP exporter's arguments, or None: no traces. Only what the flags say goes
+    in; OTel's exporter reads everything else from the environment itself."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    endpoint = config.otlp_traces_endpoint
+    if not endpoint and not any(environ.get(v) for v in ENDPOINT_VARIABLES):
+        return None
+    options: dict = {"endpoint": endpoint} if endpoint else {}
+    if config.otlp_insecure:
+        options["insecure"] = True
+    return options
+
+
+def resource(service: str):
+    """This process's OTel resource: OTEL_SERVICE_NAME (or service.name in
+    OTEL_RESOURCE_ATTRIBUTES) when set, else `service` as its name."""
+    from opentelemetry.sdk.resources import Resource
+
+    detected = Resource.create()
+    if str(detected.attributes.get("service.name", "")).startswith("unknown_service"):
+        return detected.merge(Resource({"service.name": service}))
+    return detected
+
+
+def setup(service: str, config: ServiceConfig) -> None:
+    """Export this process's spans as the service's config and OTEL_* variables say."""
     global _provider
-    if not endpoint:
+    options = exporter_options(config)
+    if options is None:
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    _provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
-                                                                     insecure=True)))
+    _provider = TracerProvider(resource=resource(service))
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(**options)))
     trace.set_tracer_provider(_provider)
 
 

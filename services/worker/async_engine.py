@@ -9,7 +9,9 @@ talk to it through calls queued between steps and per-request output queues.
     stats  <---------------------- a snapshot, replaced after every loop turn
 
 The engine is not thread-safe, so every touch of it happens on the engine thread; the
-event loop reads only the snapshot.
+event loop reads only the snapshot. A turn (the queued calls, then a step) that has not
+ended within `stall_timeout_s` (a hung kernel, a stuck lock, a dead thread) makes the
+engine *stalled*: `stalled_since` says since when, for health and GetStats (watchdog.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -33,9 +36,12 @@ RETRY_AFTER_S = 1.0  # the hint given with RESOURCE_EXHAUSTED
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 stall_timeout_s: float | None = None):
         self.engine = engine
         self.max_waiting = max_waiting  # bound on the waiting queue; None: unbounded
+        self.stall_timeout_s = stall_timeout_s  # None: never called stalled
+        self._turn_since: float | None = None  # monotonic start of the turn under way
         self.stats: EngineStats = engine.stats()
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Event()
@@ -59,12 +65,16 @@ class AsyncEngine:
         self._wake.set()
         return await asyncio.wrap_future(fut)
 
-    async def compile(self, params) -> None:
-        """Compile a request's structured-output constraint off the engine thread, so a
-        slow schema never stalls a step; the admit then finds it in the cache. Raises
-        ValueError (INVALID_ARGUMENT) if it cannot compile, before anything is queued."""
-        if params.structured is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+    async def compile(self, params):
+        """A request's structured-output constraint compiled on the compiler's own
+        threads (None without one), for `add` to hand to the engine: a slow schema never
+        stalls a step, and a cache eviction before the admit cannot make the engine
+        thread compile. Before anything is queued, raises ValueError (INVALID_ARGUMENT:
+        it cannot compile, or not within the time limit) or Overloaded (the compile
+        queue is full)."""
+        if params.structured is None:
+            return None
+        return await asyncio.wrap_future(self.engine.grammars.submit(params.structured))
 
     async def generate(self, request_id: str,
                        add: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
@@ -122,6 +132,15 @@ class AsyncEngine:
     def lease_blocks(self, request_id: str, lease_id: int) -> list[int] | None:
         return self.engine.lease_blocks(request_id, lease_id)
 
+    def stalled_since(self) -> float | None:
+        """Since when (Unix time) the engine thread has been in a turn that outlasted
+        the stall timeout: stuck in a step or a call, or dead. None while it steps."""
+        since, timeout = self._turn_since, self.stall_timeout_s
+        if since is None or timeout is None:
+            return None
+        stuck = time.monotonic() - since
+        return time.time() - stuck if stuck >= timeout else None
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
@@ -147,6 +166,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
+            self._turn_since = time.monotonic()  # cleared only while it waits
             with self._lock:
                 calls, self._calls = self._calls, []
                 stopped = self._stopped
@@ -160,14 +180,14 @@ class AsyncEngine:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
             if stopped:
+                self._turn_since = None
                 return
             if calls:  # e.g. a request admitted: the loop sees it waiting at once
                 self.stats = engine.stats()
             if not engine.has_unfinished_requests():
                 engine.expire_leases()
                 self.stats = engine.stats()
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
+                self._wait(IDLE_WAIT_S)
                 continue
             try:
                 outputs = engine.step()
@@ -181,5 +201,9 @@ class AsyncEngine:
                     loop, queue, _ = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
             if not outputs and not self.stats.num_running:
-                self._wake.wait(LOAD_WAIT_S)  # only transfers in flight: don't spin
-                self._wake.clear()
+                self._wait(LOAD_WAIT_S)  # only transfers in flight: don't spin
+
+    def _wait(self, seconds: float) -> None:
+        self._turn_since = None  # waiting is not stalling
+        self._wake.wait(seconds)
+        self._wake.clear()

@@ -18,10 +18,17 @@ class WorkerConfig:
     max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
     threads: int | None = None  # torch intra-op threads; default torch's choice
     inject_kv_failure: str | None = None  # test hook: every KV pull fails with this
+    # A step (or call) on the engine thread that has not ended after this many seconds
+    # means a hung kernel or a stuck lock: health NOT_SERVING until it ends. Long enough
+    # for a legitimate slow step: a first decode may build the CPU kernel.
+    engine_stall_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
+        if self.engine_stall_timeout <= 0:
+            raise ValueError(f"engine_stall_timeout must be > 0, got "
+                             f"{self.engine_stall_timeout!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.serving.config import ServiceConfig
 from services.serving.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
 
 GAUGES = {  # name: (help, from the stats snapshot)
@@ -81,5 +82,5 @@ class WorkerMetrics:
             self.queue.labels(self.model).observe(out.queue_time)
             self.prefill.labels(self.model).observe(out.prefill_time)
 
-    def serve(self, port: int) -> None:
-        serve_metrics(port, [self.registry])
+    def serve(self, service: ServiceConfig) -> None:
+        serve_metrics(service, [self.registry])

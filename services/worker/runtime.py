@@ -19,6 +19,7 @@ from services.serving.server import Lifecycle, method_name, run_server, service_
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
+from services.worker.watchdog import watch
 from services.worker.worker_service import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,19 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     `add_servicer(server, aengine, metrics)`, `service` in worker.proto, whose `Prefill`
     or `Decode` is the new work a drain refuses) and WorkerService. The drain ends when
     the engine holds nothing: no request, and (prefill) no lease a decode worker has yet
-    to pull. Metrics on --metrics-port, traces to --otlp-traces-endpoint."""
+    to pull. Metrics on --metrics-port, traces to --otlp-traces-endpoint. With a cluster
+    token, every call but health must carry it. Health is NOT_SERVING while the engine
+    thread is stuck (watchdog.py)."""
     svc = config.service
-    tracing.setup(f"baton-{role}", svc.otlp_traces_endpoint)
-    aengine = AsyncEngine(engine, config.max_waiting)
+    security = Security.of(config)
+    tracing.setup(f"baton-{role}", svc)
+    aengine = AsyncEngine(engine, config.max_waiting, config.engine_stall_timeout)
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
                             engine.kv_layout.block_bytes)
-    metrics.serve(svc.metrics_port)
+    metrics.serve(svc)
     work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
     lifecycle = Lifecycle((method_name(wk, service, work),))
+    lifecycle.authorize = security.cluster.check()
 
     def register(server: grpc.aio.Server) -> list[str]:
         add_servicer(server, aengine, metrics)
@@ -56,7 +61,14 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
             WorkerServicer(aengine, config.engine_id, role, lifecycle), server)
         return [service_name(wk, service), service_name(wk, "WorkerService")]
 
+    watchdog: list[asyncio.Task] = []
+
+    async def start():
+        watchdog.append(asyncio.get_running_loop().create_task(watch(aengine, lifecycle)))
+
     async def stop():
+        for task in watchdog:
+            task.cancel()
         aengine.stop()
         for close in closers:
             close()
@@ -65,6 +77,6 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     log.info("%s engine %s, KV transport %s, layout %s", role, config.engine_id,
              config.kv_transport, engine.kv_layout.fingerprint)
     asyncio.run(run_server(svc.address, register, lifecycle,
-                           idle=lambda: aengine.stats.idle, on_stop=stop,
-                           grace_s=svc.drain_grace,
-                           credentials=Security.of(config).server_credentials(public=False)))
+                           idle=lambda: aengine.stats.idle, on_start=start,
+                           on_stop=stop, grace_s=svc.drain_grace,
+                           credentials=security.server_credentials(public=False)))

@@ -44,7 +44,8 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens, num_spec_drafts=s.num_spec_drafts,
             num_spec_draft_tokens=s.num_spec_draft_tokens,
-            num_spec_accepted_tokens=s.num_spec_accepted_tokens)
+            num_spec_accepted_tokens=s.num_spec_accepted_tokens,
+            engine_stalled_since=self.aengine.stalled_since() or 0.0)
 
     async def GetKvEvents(self, request, context):
         engine = self.aengine.engine

@@ -36,12 +36,14 @@ class CA:
         self.path = folder / f"{name}.pem"
         self.path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, cn: str) -> tuple[Path, Path]:
-        """(certificate, key) files for `cn`, valid for 127.0.0.1 and localhost."""
+    def issue(self, cn: str, dns_names: tuple[str, ...] | None = None) -> tuple[Path, Path]:
+        """(certificate, key) files for `cn`, valid for 127.0.0.1 and localhost (or, given
+        `dns_names`, for those names only)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
-        san = x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                           x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        san = x509.SubjectAlternativeName(
+            [x509.DNSName(n) for n in dns_names] if dns_names is not None else
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
         usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                        ExtendedKeyUsageOID.CLIENT_AUTH])
         cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)

@@ -163,6 +163,14 @@ def test_health_and_reflection(topology, role):
     assert {expected, "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_refuses_a_caller_without_the_cluster_token(topology, role):
+    with grpc.insecure_channel(topology[role]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            wk_grpc.WorkerServiceStub(ch).GetStats(wk.GetStatsRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_decode_worker_with_other_block_size_is_rejected(topology, offline):
     topo = topology["topology"]
     bad = topo.worker("decode", "--block-size", "32", "--kv-transport", "nixl")

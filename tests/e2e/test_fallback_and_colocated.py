@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pytest
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
 from services.engine import SamplingParams
 from tests.e2e.helpers import greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
+# A restarted prefill worker is polled, paired and used within this: the router's poll
+# interval plus a handshake, with the channels' reconnect backoff bounded at about 1 s.
+PAIRED_WITHIN_S = 5.0
 PROMPTS = ["The three primary colours are", "Paged KV blocks move between workers. " * 5]
 
 
@@ -45,13 +53,34 @@ def test_colocated_serves_the_same_api(services, offline):
     assert info.max_model_len > 0 and info.vocab_size == offline.engine.model_config.vocab_size
 
 
-def test_a_restarted_prefill_worker_is_used_again(services, offline):
-    """The prefill worker dies and comes back on its address with a new engine id: the
-    router notices, the decode worker shakes hands again, and requests work again."""
-    topo, prefill = services["topology"], services["prefill"]
+def test_a_restarted_prefill_worker_prefills_long_prompts_again(services, offline):
+    """The prefill worker is killed (-9) just after granting a lease, so the decode
+    worker's pull and release of it fail against the dead address; it comes back on that
+    address under a new engine id. Within seconds of answering health checks it is paired
+    again, and a fresh ~1,000-token prompt is prefilled there and its KV pulled (once, the
+    channels' reconnect backoff, grown to minutes while it was down, kept it unpaired and
+    every prompt went to the decode worker)."""
+    topo, prefill, decode = services["topology"], services["prefill"], services["decode"]
+    ids = offline.engine.tokenizer.encode(PROMPTS[1])
+    with channel(prefill) as ch:
+        granted = wk_grpc.PrefillServiceStub(ch).Prefill(wk.PrefillRequest(
+            request_id="orphan", prompt_token_ids=ids, sampling=greedy(2)), timeout=60)
     topo.kill(prefill)
+    with channel(decode) as ch:  # as the router does for a request in flight
+        run_out = list(wk_grpc.DecodeServiceStub(ch).Decode(wk.DecodeRequest(
+            request_id="orphan", prompt_token_ids=ids, sampling=greedy(2),
+            first_token_id=granted.delta.token_ids[0], handle=granted.handle,
+            prefill_address=prefill), timeout=60))
+    assert run_out[-1].delta.finish_reason  # recomputed: the source is gone
     topo.worker("prefill", "--kv-transport", "grpc", port=int(prefill.rsplit(":", 1)[1]))
-    ref = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
-    msgs = until_served(services["router"], gen.GenerateRequest(text=PROMPTS[0],
-                                                                sampling=greedy(24)))
-    assert joined(msgs) == (ref.token_ids, ref.text)
+    deadline = time.monotonic() + PAIRED_WITHIN_S
+    while run(services["router"], gen.GenerateRequest(
+            text=PROMPTS[0], sampling=greedy(2)))[-1].timings.local_prefill:
+        assert time.monotonic() < deadline, "the restarted prefill worker was not paired"
+        time.sleep(0.1)
+    fresh = offline.engine.tokenizer.encode(f"{uuid.uuid4()} " + PROMPTS[1] * 40)[:1008]
+    pulled = stats(decode).num_blocks_pulled
+    msgs = run(services["router"], gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=fresh), sampling=greedy(2)))
+    assert not msgs[-1].timings.local_prefill
+    assert stats(decode).num_blocks_pulled - pulled == len(fresh) // 16

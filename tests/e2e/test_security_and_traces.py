@@ -55,8 +55,9 @@ def secure(tmp_path_factory, model_path):
     otlp_grpc.add_TraceServiceServicer_to_server(collector, otlp_server)
     otlp_port = otlp_server.add_insecure_port("127.0.0.1:0")
     otlp_server.start()
-    trace = ("--otlp-traces-endpoint", f"127.0.0.1:{otlp_port}")
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export spans every 0.1 s
+    trace = ("--otlp-traces-endpoint", f"127.0.0.1:{otlp_port}", "--otlp-insecure")
+    # Spans exported every 0.1 s; no cluster token: the certificates alone say who is who.
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "BATON_CLUSTER_TOKEN": ""}
     topo = Topology(folder)
     try:
         def tls(name: str, authority: CA = ca) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from services.serving.cluster import ClusterToken
 from services.serving.processes import serve_command, stop_all, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # torch thread each (two cores, three processes), a small KV budget.
 WORKER_FLAGS = ["--dtype", "float32", "--threads", "1", "--kv-cache-gib", "0.25",
                 "--max-num-batched-tokens", "256", "--log-level", "WARNING"]
+# Every service started here shares it (a test may pass env={"BATON_CLUSTER_TOKEN": ""}
+# for none), and `channel` sends it: the workers trust one another, as deployed.
+CLUSTER_TOKEN = secrets.token_urlsafe(32)
 
 
 def free_port() -> int:
@@ -51,7 +56,8 @@ class Topology:
             flags = (*flags, "--http-port", str(http))
             self.http[address] = f"127.0.0.1:{http}"
         log = open(self.log_dir / f"{role}-{host}-{port}.log", "w")
-        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", **(env or {}))
+        env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "BATON_CLUSTER_TOKEN": CLUSTER_TOKEN,
+               **(env or {})}
         proc = subprocess.Popen(serve_command(role, address, *flags), cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
@@ -72,7 +78,7 @@ class Topology:
         metrics = free_port()
         address = self.start(role, *WORKER_FLAGS, *flags, "--metrics-port", str(metrics),
                              port=port, wait=wait, **kw)
-        self.metrics[address] = f"127.0.0.1:{metrics}"
+        self.metrics[address] = f"{kw.get('host', '127.0.0.1')}:{metrics}"  # the worker's host
         return address
 
     def kill(self, address: str, sig: int = signal.SIGKILL) -> subprocess.Popen | None:
@@ -99,4 +105,6 @@ class Topology:
 
 
 def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address)
+    """A channel to any service here: the cluster token on every call (a router ignores
+    it)."""
+    return ClusterToken(CLUSTER_TOKEN).intercept(grpc.insecure_channel(address))

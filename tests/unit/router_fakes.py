@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -23,10 +24,12 @@ from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from router.clients import GrpcWorkerClient
 from router.config import RouterConfig
-from router.server import RouterServicer, build
+from router.core import Router
+from router.server import GENERATION_METHODS, RouterServicer, build
 from services.serving.block_hash import extend_hashes
 from services.serving.errors import retry_metadata
 from services.serving.kv_events import KvEventLog
+from services.serving.security import Security
 from services.serving.server import Lifecycle, make_server, method_name, service_name
 
 VOCAB, MAX_LEN = 49152, 65536
@@ -72,6 +75,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
     frozen: bool = False  # answers nothing (stats, decode) until thawed
+    stalled_since: float = 0.0  # its engine stuck since (Unix time): streams wait, stats say so
     leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
     released: list[tuple[str, int, bool]] = field(default_factory=list)
     prefills: list[str] = field(default_factory=list)
@@ -87,12 +91,26 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         for h in hashes:
             self.kv.stored(h)
 
+    def cached_tokens(self, prompt: list[int], salt: str = "") -> int:
+        """The prompt's leading tokens an engine would take from this cache (never the
+        block with the last token)."""
+        hashes: list[bytes] = []
+        extend_hashes(hashes, prompt[:-1], 16, salt.encode())
+        held = set(self.kv.read(0).stored)
+        return 16 * next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+
     def freeze(self) -> None:
         self.frozen = True
         self._thaw = asyncio.Event()
 
+    def stall_engine(self) -> None:
+        """Its engine thread hangs: streams and prefills wait, stats answer saying so."""
+        self.freeze()
+        self.stalled_since = time.time()
+
     def thaw(self) -> None:
         self.frozen = False
+        self.stalled_since = 0.0
         if self._thaw is not None:
             self._thaw.set()
 
@@ -113,9 +131,11 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         await self._stall_if_frozen()
         prompt = list(request.prompt_token_ids)
         self.prefills.append(request.request_id)
+        cached = self.cached_tokens(prompt, request.cache_salt)
         self.cache(prompt, request.cache_salt)
         max_tokens = request.sampling.max_tokens or 16
-        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1))
+        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1),
+                                   cached_tokens=cached)
         if max_tokens > 1:
             lease = next(_lease_ids)
             self.leases[request.request_id] = lease
@@ -123,16 +143,21 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                 engine_id=self.engine_id, request_id=request.request_id, lease_id=lease,
                 block_ids=list(range(1, 1 + -(-len(prompt) // 16))), num_tokens=len(prompt),
                 lease_s=30))
+            if context.cancelled():  # as a prefill worker does: nobody will come for it
+                self.release(request.request_id, lease)
         return reply
 
     def release(self, rid: str, lease_id: int) -> bool:
-        held = rid in self.leases and lease_id in (0, self.leases[rid])
+        held = rid in self.leases and lease_id == self.leases[rid]
         if held:
             del self.leases[rid]
         self.released.append((rid, lease_id, held))
         return held
 
     async def ReleaseKv(self, request, context):
+        if not request.lease_id:  # as a prefill worker does: only the handle's lease
+            self.released.append((request.request_id, 0, False))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
         return wk.ReleaseKvResponse(released=self.release(request.request_id,
                                                           request.lease_id))
 
@@ -173,10 +198,12 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     # ---- every worker ----------------------------------------------------------------
 
     async def GetStats(self, request, context):
-        await self._stall_if_frozen()
+        if not self.stalled_since:  # a stuck engine's worker still answers
+            await self._stall_if_frozen()
         return wk.GetStatsResponse(
             engine_id=self.engine_id, role=self.role, draining=self.draining,
             num_running=self.active, num_leases=len(self.leases),
+            engine_stalled_since=self.stalled_since,
             model_info=gen.ModelInfo(model="fake", max_model_len=MAX_LEN, vocab_size=VOCAB,
                                      block_size=16, dtype="float32"))
 
@@ -211,11 +238,14 @@ class Cluster:
     registry: object
     lifecycle: Lifecycle
     address: str
+    router: Router
 
     async def generate(self, prompt: list[int], max_tokens: int = 8, timeout: float = 10,
-                       **kw) -> list[gen.GenerateResponse]:
+                       key: str | None = None, **kw) -> list[gen.GenerateResponse]:
+        """`key`: sent as the caller's API key."""
+        metadata = (("authorization", f"Bearer {key}"),) if key is not None else ()
         return [m async for m in self.stub.Generate(request(prompt, max_tokens, **kw),
-                                                    timeout=timeout)]
+                                                    timeout=timeout, metadata=metadata)]
 
     def leases_held(self) -> int:
         return sum(len(p.leases) for p in self.prefill)
@@ -247,9 +277,11 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     router = build(config, lifecycle, [GrpcWorkerClient(a) for a in config.prefill],
                    [GrpcWorkerClient(a) for a in config.decode])
     registry = router.registry
+    security = Security.of(config)  # the API keys, as `run` sets them up
+    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
 
     def register(server):
-        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router), server)
+        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
         return [service_name(gen, "Generation")]
 
     server = make_server(register, lifecycle)
@@ -260,7 +292,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
-                      workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}")
+                      workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router)
     finally:
         for w in workers:
             w.thaw()

@@ -29,7 +29,8 @@ def _configs(role: str, *argv: str, env: dict | None = None, monkeypatch=None):
 
 def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
     configs = {"engine": EngineConfig(), "worker": WorkerConfig(), "router": RouterConfig(),
-               "service": ServiceConfig(), "spec": EngineConfig().speculative}
+               "service": ServiceConfig(), "spec": EngineConfig().speculative,
+               "limits": RouterConfig().limits}
     for flag in FLAGS:
         assert flag.env == "BATON_" + flag.name.upper().replace("-", "_")
         for config, field in flag.fills:  # one default, wherever the flag lands
@@ -139,3 +140,41 @@ def test_the_loading_flags_reach_the_engine_and_the_router(monkeypatch):
         "Qwen/Qwen2.5-0.5B-Instruct", "org/tok", "v1", "qwen")
     colocated = _configs("colocated", "--served-model-name", "x")
     assert colocated["router"]["served_model_name"] == colocated["engine"]["served_model_name"]
+
+
+def test_the_cluster_token_reaches_each_cluster_role_but_never_help_or_a_childs_argv(
+        monkeypatch):
+    from cli.up import cluster_env
+
+    token = "t0ken-" * 4
+    for role in ("router", "prefill", "decode"):
+        got = _configs(role, env={"BATON_CLUSTER_TOKEN": token}, monkeypatch=monkeypatch)
+        assert ServiceConfig(**got["service"]).cluster_secret() == token
+    # The colocated role has no cluster: its worker is in its own process.
+    assert "cluster_token" not in _configs("colocated", monkeypatch=monkeypatch)["service"]
+    out = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", "decode", "--help"],
+                         capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={"COLUMNS": "300", "PATH": "", "BATON_CLUSTER_TOKEN": token}
+                         ).stdout
+    assert "BATON_CLUSTER_TOKEN" in out and token not in out
+    # baton up: through the environment (ps shows argv), the one given or a fresh one.
+    monkeypatch.delenv("BATON_CLUSTER_TOKEN")
+    args, flags = parse(["up", "--cluster-token", token])
+    assert all(token not in argv_for(args, flags, r) for r in ("prefill", "decode", "router"))
+    assert cluster_env(args)["BATON_CLUSTER_TOKEN"] == token
+    args, _ = parse(["up"])
+    made = [cluster_env(args)["BATON_CLUSTER_TOKEN"] for _ in range(2)]
+    assert made[0] != made[1] and ServiceConfig(cluster_token=made[0]).cluster_secret()
+
+
+def test_the_grammar_compile_bounds_reach_every_engine_and_bad_ones_are_refused(monkeypatch):
+    for role in ("prefill", "decode", "colocated"):
+        got = _configs(role, "--grammar-compile-timeout", "2.5", "--grammar-compile-threads",
+                       "3", "--grammar-compile-queue", "5", monkeypatch=monkeypatch)
+        engine = EngineConfig(**got["engine"])
+        assert (engine.grammar_compile_timeout_s, engine.grammar_compile_threads,
+                engine.grammar_compile_queue) == (2.5, 3, 5)
+    for field, bad in (("grammar_compile_timeout_s", 0.0), ("grammar_compile_threads", 0),
+                       ("grammar_compile_queue", -1)):
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            EngineConfig(**{field: bad})

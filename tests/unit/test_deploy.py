@@ -5,22 +5,18 @@ shorter than the drain, a policy that names the wrong ports, a router image with
 
 from __future__ import annotations
 
-import re
-import shlex
-from fnmatch import fnmatch
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from services.serving.default_model import GGUF_NAME
 from services.serving.server import LIVENESS
-from services.serving.tokenizer import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 WORKERS = ("prefill", "decode")
+SECRET_VARIABLES = ("BATON_API_KEY", "BATON_CLUSTER_TOKEN")  # only ever from secrets
 COMPONENT = "app.kubernetes.io/component"
 
 
@@ -157,7 +153,8 @@ def test_workers_run_non_root_with_a_gpu_and_the_model_volume():
         pod = dep["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
-        volumes = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+        volumes = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                   if "persistentVolumeClaim" in v}
         assert set(volumes.values()) <= claims
         for c in pod["containers"] + pod.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -211,145 +208,29 @@ def test_network_policy_admits_only_routers_and_workers_to_worker_ports():
         assert int(_env(c)["BATON_METRICS_PORT"]) == _port(c, "metrics")
 
 
-# -- docker compose -------------------------------------------------------------------
-
-def _compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-def _mount(volume) -> tuple[str, str]:
-    """(source, target) of a compose volume, in its short or its long form."""
-    if isinstance(volume, dict):
-        return volume["source"], volume["target"]
-    source, target = volume.split(":")[:2]
-    return source, target
-
-
-def _seconds(text: str) -> float:
-    return float(re.fullmatch(r"(\d+)s", str(text)).group(1))
+def _secret_file(deployment: dict, variable: str) -> str:
+    """The Secret whose mounted file `variable` names; checks it is not world-readable."""
+    pod, c = deployment["spec"]["template"]["spec"], _main(deployment)
+    path = _env(c)[variable]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] and not volume["secret"].get("optional")
+    mode = volume["secret"].get("defaultMode", 0o644)
+    assert mode & 0o007 == 0  # not world-readable; the pod's fsGroup reads it
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+    return volume["secret"]["secretName"]
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
-def test_compose_profile_runs_a_router_that_finds_its_workers_by_dns(profile):
-    compose = _compose()
-    services = {n: s for n, s in compose["services"].items()
-                if profile in s.get("profiles", [profile])}
-    routers = {n: s for n, s in services.items() if s["environment"]["BATON_ROLE"] == "router"}
-    assert len(routers) == 1
-    ((router_name, router),) = routers.items()
-    workers = {n: s for n, s in services.items() if n != router_name}
-    assert sorted(s["environment"]["BATON_ROLE"] for s in workers.values()) == ["decode",
-                                                                                 "prefill"]
-    for name, svc in workers.items():
-        env = svc["environment"]
-        role, port = env["BATON_ROLE"], env["BATON_ADDRESS"].rsplit(":", 1)[1]
-        aliases = svc.get("networks", {}).get("default", {}).get("aliases", [])
-        assert role == name or role in aliases  # the name the router looks up
-        assert router["environment"][f"BATON_{role.upper()}"] == f"dns:///{role}:{port}"
-        assert "container_name" not in svc and "ports" not in svc  # or --scale breaks
-        assert router["depends_on"][name] == {"condition": "service_healthy"}
-        assert env["BATON_MODEL"] == router["environment"]["BATON_MODEL"]
-    for svc in services.values():
-        env = svc["environment"]
-        check = svc["healthcheck"]
-        assert check["test"][:3] == ["CMD", "baton", "health"]
-        assert _seconds(check["start_period"]) > 0
-        assert _seconds(svc["stop_grace_period"]) > float(env["BATON_DRAIN_GRACE"])
-        assert str(svc["user"]).split(":")[0] not in ("0", "root")
-        mounts = [_mount(v) for v in svc["volumes"]]
-        (target,) = [t for source, t in mounts if source in compose["volumes"]]
-        assert env["BATON_MODEL"].startswith(target + "/")
-    # The router image holds only the tokenizer: it must not be what fills the volume.
-    (volume,) = router["volumes"]
-    assert volume["volume"]["nocopy"] is True
+def test_every_service_shares_one_cluster_token_from_a_secret():
+    names = {_secret_file(_deployment(role), "BATON_CLUSTER_TOKEN_FILE")
+             for role in ("router", "prefill", "decode")}
+    assert len(names) == 1
 
 
-def test_compose_gpu_workers_use_their_own_gpu_and_move_gpu_memory():
-    gpu = [s for s in _compose()["services"].values()
-           if "gpu" in s.get("profiles", ["gpu"]) and s["environment"]["BATON_ROLE"] != "router"]
-    ids = []
-    for svc in gpu:
-        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert "count" not in device
-        ids += device["device_ids"]
-        assert svc["environment"]["BATON_DEVICE"].startswith("cuda")
-        assert {"cuda_copy", "tcp"} <= set(svc["environment"]["UCX_TLS"].split(","))
-    assert len(ids) == len(set(ids)) == 2
-
-
-# -- Dockerfile -----------------------------------------------------------------------
-
-def _stages() -> dict[str, tuple[str, list[tuple[str, str]]]]:
-    """{stage: (what it is FROM, [(instruction, arguments)])}, in order."""
-    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
-    stages: dict[str, tuple[str, list]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        op, _, args = line.partition(" ")
-        if op.upper() == "FROM":
-            words = args.split()
-            name = words[2] if len(words) > 2 and words[1].upper() == "AS" else str(len(stages))
-            stages[name] = (words[0], [])
-        else:
-            next(reversed(stages.values()))[1].append((op.upper(), args))
-    return stages
-
-
-def _chain(stages, name: str) -> list[tuple[str, str]]:
-    """The instructions an image runs: its stage's and those of the stages it is FROM."""
-    parent, ops = stages[name]
-    return (_chain(stages, parent) if parent in stages else []) + ops
-
-
-def test_router_image_installs_no_torch_and_worker_image_does():
-    stages = _stages()
-    assert list(stages)[-1] == "worker"  # the default target
-    router_runs = [a for op, a in _chain(stages, "router") if op == "RUN"]
-    extras = {e.strip() for r in router_runs for group in re.findall(r"\.\[([^\]]*)\]", r)
-              for e in group.split(",")}
-    assert "http" in extras and not extras & {"engine", "nixl"}, extras
-    assert not any("torch" in r for r in router_runs)
-    worker_runs = [a for op, a in _chain(stages, "worker") if op == "RUN"]
-    torch_at = next(i for i, r in enumerate(worker_runs) if re.search(r"install torch", r))
-    engine_at = next(i for i, r in enumerate(worker_runs) if re.search(r"\.\[engine", r))
-    assert torch_at < engine_at and "TORCH_INDEX" in worker_runs[torch_at]
-    for image in ("router", "worker"):
-        users = [a for op, a in _chain(stages, image) if op == "USER"]
-        assert users and users[-1] not in ("root", "0")
-    # The router reads the default model's tokenizer (no torch to build it from the GGUF).
-    tokenizer = tokenizer_dir(Path("/opt/baton/cache/models") / GGUF_NAME)
-    copies = [shlex.split(a) for op, a in _chain(stages, "router") if op == "COPY"]
-    assert any(c[0].startswith("--from=") and c[-1] == str(tokenizer) for c in copies)
-
-
-def _copied(stages, ops) -> set[str]:
-    """What these instructions take from the build context: their own COPYs, and those of
-    the stages they copy from."""
-    sources = set()
-    for op, args in ops:
-        words = shlex.split(args) if op == "COPY" else []
-        origin = next((w[len("--from="):] for w in words if w.startswith("--from=")), None)
-        if origin is None:
-            sources |= {w.rstrip("/") for w in words[:-1] if not w.startswith("--")}
-        elif origin in stages:
-            sources |= _copied({}, stages[origin][1])
-    return sources
-
-
-def test_both_images_copy_every_package_pyproject_installs():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    find = pyproject["tool"]["setuptools"]["packages"]["find"]
-    needed = {"pyproject.toml", "README.md"}
-    for where in find["where"]:  # top-level packages, as setuptools finds them
-        for d in (ROOT / where).iterdir():
-            if d.is_dir() and d.name.isidentifier() and any(
-                    fnmatch(d.name, pattern) for pattern in find["include"]):
-                needed.add(Path(where, d.name).parts[0])
-    assert {"services", "protos", "cli"} <= needed  # the finder saw the project
-    stages = _stages()
-    for image in ("router", "worker"):
-        missing = needed - _copied(stages, _chain(stages, image))
-        assert not missing, f"{image} image lacks {sorted(missing)}"
+def test_the_routers_api_keys_come_from_a_secret_and_no_key_is_written_here():
+    _secret_file(_deployment("router"), "BATON_API_KEY_FILE")
+    for dep in _kind("Deployment"):
+        for container in dep["spec"]["template"]["spec"]["containers"]:
+            for e in container.get("env", []):
+                if e["name"] in SECRET_VARIABLES:  # from a Secret, never a literal
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], e

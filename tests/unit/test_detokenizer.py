@@ -93,8 +93,10 @@ def check_stop(tok, text: str, stop: tuple[str, ...], include: bool = False, ste
         tok, tok.encode(PROMPT), stop=stop, include_stop_str_in_output=include
     )
     deltas = stream(detok, ids, step)
-    starts = [(full.find(s), len(s), s) for s in stop if s in full]
-    pos, length, matched = min(starts)
+    # The stop that completes first wins; at the same end, the longer (it started first).
+    ends = [(full.find(s) + len(s), -len(s), s) for s in stop if s in full]
+    end, minus_length, matched = min(ends)
+    pos, length = end + minus_length, -minus_length
     assert detok.stop_matched == matched
     assert detok.text == full[: pos + length if include else pos]
     assert "".join(deltas) == detok.text
@@ -126,16 +128,18 @@ def test_stop_multibyte(tok) -> None:
     check_stop(tok, MULTIBYTE[2], ("本語",))
 
 
-def test_earliest_stop_wins(tok) -> None:
+def test_the_stop_that_completes_first_wins(tok) -> None:
     text = "alpha beta gamma delta epsilon"
-    # Fed one token at a time, the stop that starts first also completes first here.
     for stop in [("delta", "beta"), ("a delta", "mma"), ("mma d", "a de")]:
         check_stop(tok, text, stop)
-    # All in one update: the stop that completes first ("mma") is not the one that starts
-    # first ("gamma delta").
-    detok, _ = check_stop(tok, text, ("mma", "gamma delta"), step=1000)
-    assert detok.stop_matched == "gamma delta"
-    assert detok.text == "alpha beta "
+    # "gamma delta" starts first, but "mma" completes first: in one update as in many.
+    for step in (1, 1000):
+        detok, _ = check_stop(tok, text, ("gamma delta", "mma"), step=step)
+        assert detok.stop_matched == "mma"
+        assert detok.text == "alpha beta ga"
+    # At the same end, the longer one.
+    detok, _ = check_stop(tok, text, ("ta", "beta", "eta"), step=1000)
+    assert detok.stop_matched == "beta" and detok.text == "alpha "
 
 
 @pytest.mark.parametrize("step", [1, 2, 1000])

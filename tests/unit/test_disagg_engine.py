@@ -5,6 +5,7 @@ greedy tokens as one engine, only missing blocks pulled, and no block leaked on 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -59,8 +60,9 @@ def _prefill(p, prompts, params):
 
 
 def _handle(rid, o, deadline=float("inf")) -> KVHandle:
+    """The engines of `pair` trust each other, as a cluster's do (a cluster token)."""
     return KVHandle("prefill-0", rid, o.kv_lease_id, tuple(o.kv_block_ids),
-                    len(o.prompt_token_ids), deadline)
+                    len(o.prompt_token_ids), deadline, verified=True)
 
 
 def _handoff(p, d, firsts, params):
@@ -138,6 +140,31 @@ def test_only_missing_blocks_are_pulled(pair, llm):
     # The second prompt shares the first one's full blocks: those were not pulled again.
     n_base = len(p.tokenizer.encode(base))
     assert local == n_base // 16 > 0
+
+
+def test_kv_from_an_unverified_peer_serves_its_request_but_is_never_cached(pair, llm):
+    """A handle nobody vouched for (no cluster token, no mutual TLS): its blocks give the
+    same tokens, but neither they nor what the request computes on them enter the decode
+    engine's prefix cache, so the same prompt is pulled in full again. A verified handle's
+    blocks are cached, and the next request finds them there."""
+    p, d, _ = pair
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.generate([PROMPTS[1]], params)[0].token_ids
+    d.reset_prefix_cache()
+    for verified, found_locally in ((False, False), (False, False), (True, False),
+                                    (True, True)):
+        o = _prefill(p, [PROMPTS[1]], params)["r0"]
+        before = d.stats()
+        d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0],
+                             replace(_handle("r0", o), verified=verified), params,
+                             request_id="r0")
+        outs = _drain(d)
+        p.release_lease("r0")
+        assert o.new_token_ids + [t for x in outs["r0"] for t in x.new_token_ids] == want
+        local = d.stats().num_blocks_local - before.num_blocks_local
+        full = len(o.prompt_token_ids) // d.config.block_size
+        assert local == (full if found_locally else 0), (verified, local)
+        assert bool(d.scheduler.kv.pool.cached) == verified
 
 
 def test_abort_while_loading_frees_after_transport_is_done(pair):

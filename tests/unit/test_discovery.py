@@ -4,6 +4,7 @@ test DNS server), and a registry that follows the records as workers come and go
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from router.clients import GrpcWorkerClient
 from router.config import RouterConfig
 from router.core import Caller
 from router.discovery import Target, resolve
+from router.registry import Registry
 from router.server import build
 from services.serving.server import Lifecycle
 from tests.dns_server import DnsServer
@@ -140,4 +142,67 @@ def test_a_name_that_cannot_be_resolved_keeps_the_other_targets_workers(tok):
         assert [w.address for w in router.registry.decode] == ["127.0.0.1:1"]
         await router.registry.close()
         router.intake.close()
+    asyncio.run(main())
+
+
+class _Client:
+    """What discovery asks of a worker's client."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def busy(self) -> bool:
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_name_that_answers_none_keeps_its_workers_for_the_grace(dns_server):
+    """One NXDOMAIN or empty answer must not retire every worker at once: the last good
+    set stays for the grace (an answer with records meanwhile starts it over), then
+    they retire."""
+    grace = 0.3
+
+    async def main():
+        target = Target.parse(f"dns://127.0.0.1:{dns_server.port}/decode.test:9")
+        registry = Registry([], [], targets={"decode": [target]}, make_client=_Client,
+                            discovery_grace=grace)
+        both = ["127.0.0.1:9", "127.0.0.2:9"]
+
+        def addresses() -> list[str]:
+            return sorted(w.address for w in registry.decode)
+
+        dns_server.set("decode.test", ["127.0.0.1", "127.0.0.2"])
+        await registry.discover()
+        assert addresses() == both
+        dns_server.records.pop("decode.test")  # NXDOMAIN
+        await registry.discover()
+        assert addresses() == both and registry.retired == []
+        await asyncio.sleep(grace)
+        dns_server.set("decode.test", ["127.0.0.1", "127.0.0.2"])  # back: start over
+        await registry.discover()
+        dns_server.set("decode.test", [])  # the name, with no records
+        t0 = time.monotonic()
+        while addresses():
+            await registry.discover()
+            await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 >= grace
+        await registry.close()
+
+    asyncio.run(main())
+
+
+def test_a_grace_of_zero_retires_at_the_first_empty_answer(dns_server):
+    async def main():
+        target = Target.parse(f"dns://127.0.0.1:{dns_server.port}/decode.test:9")
+        registry = Registry([], [], targets={"decode": [target]}, make_client=_Client,
+                            discovery_grace=0)
+        dns_server.set("decode.test", ["127.0.0.1"])
+        await registry.discover()
+        dns_server.set("decode.test", [])
+        await registry.discover()
+        assert registry.decode == []
+        await registry.close()
+
     asyncio.run(main())

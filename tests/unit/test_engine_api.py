@@ -65,6 +65,17 @@ def test_bad_prompts_raise_and_queue_nothing(llm, small):
     assert_idle(small)
 
 
+def test_a_giant_salt_or_request_id_is_refused_by_the_engine_itself(llm):
+    """A caller that reaches a worker directly meets the engine's own ceilings: an 8 MiB
+    salt would be hashed into every block on the engine thread."""
+    engine = llm.engine
+    with pytest.raises(ValueError, match="cache_salt may hold at most 4096 characters"):
+        engine.add_request([1, 2, 3], greedy(4), cache_salt="s" * (8 << 20))
+    with pytest.raises(ValueError, match="request_id may hold at most 1024 characters"):
+        engine.add_request([1, 2, 3], greedy(4), request_id="r" * 2000)
+    assert_idle(llm)
+
+
 def test_generate_with_one_bad_prompt_queues_nothing(llm, small):
     for prompts in (["The capital of France is", ""], [[], "The capital of France is"]):
         with pytest.raises(ValueError):

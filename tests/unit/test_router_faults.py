@@ -225,3 +225,32 @@ def test_a_handshake_that_hangs_does_not_delay_noticing_a_frozen_worker(tok):
             d1.connect_hangs = False
 
     run(main())
+
+
+def test_a_decode_worker_whose_engine_stalled_counts_as_dead(tok):
+    """It answers its polls, saying its engine thread is stuck (engine_stalled_since):
+    marked down at the next poll, well within the worker timeout, so the stream moves on
+    to the other worker; once its engine steps again, it is up again."""
+
+    async def main():
+        async with cluster(tok, decodes=2) as c:
+            msgs, t_stalled = [], None
+            async for m in c.stub.Generate(request(PROMPT, 12), timeout=20):
+                msgs.append(m)
+                if len(msgs) == 3:
+                    victim = next(d for d in c.decode if d.decodes)
+                    victim.stall_engine()
+                    t_stalled = time.monotonic()
+                elif t_stalled is not None and len(msgs) == 4:
+                    moved_after = time.monotonic() - t_stalled
+            assert tokens(msgs) == expected(PROMPT, 12)
+            assert moved_after < 1.0  # a poll (0.05 s) and the move: no need to go silent
+            worker = next(w for w in c.registry.decode if w.address == victim.address)
+            assert worker.state == "down"
+            victim.thaw()
+            deadline = time.monotonic() + 5
+            while worker.state != "up":
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+
+    run(main())

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from kv_transfer.base import IncompatibleLayout
-from services.serving.errors import Overloaded, Unavailable
+from services.serving.errors import InvalidArgument, Overloaded, Unavailable
 from services.serving.server import (
     LIVENESS,
     Lifecycle,
@@ -84,6 +84,43 @@ def test_exceptions_become_status_codes_and_overload_carries_both_hints(error, c
                 assert hints["retry-after-ms"] == hints["grpc-retry-pushback-ms"] == "2500"
             else:
                 assert "retry-after-ms" not in hints
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def _string_field(message, name: str, value: bytes) -> bytes:
+    """One length-delimited field of `message`'s type, as raw wire bytes."""
+    number = message.DESCRIPTOR.fields_by_name[name].number
+    return bytes([number << 3 | 2, len(value)]) + value
+
+
+def test_undecodable_bytes_and_refused_sizes_are_invalid_argument_before_the_handler():
+    prefill = method_name(wk, "PrefillService", "Prefill")
+
+    def too_big(raw: bytes) -> None:
+        if len(raw) > 64:
+            raise InvalidArgument("prompt_token_ids: over the limit")
+
+    async def main():
+        toy, state = Toy(), Lifecycle()
+        toy.raise_ = AssertionError("the handler must not run")
+        state.request_checks[prefill] = too_big
+        server, address = await _serve(toy, state)
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                call = ch.unary_unary(prefill)  # no serializers: raw bytes both ways
+                for raw, says in [
+                    (_string_field(wk.PrefillRequest, "request_id", b"\xff\xfe"), "UTF-8"),
+                    (b"\xff\xff\xff", "not valid protobuf"),
+                    (wk.PrefillRequest(prompt_token_ids=range(100)).SerializeToString(),
+                     "prompt_token_ids: over the limit")]:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call(raw)
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raw
+                    assert says in e.value.details()
+                assert not toy.started.is_set()
         finally:
             await server.stop(0)
 

@@ -209,7 +209,9 @@ def test_tools_functions_and_logit_bias_are_still_refused(body, field):
 
 def test_over_http_a_bad_constraint_is_a_400_naming_the_field():
     info = gen.ModelInfo(model="m", max_model_len=2048)
-    router = SimpleNamespace(model_info=lambda: info, max_inflight=8, inflight=0)
+    intake = Intake(tokenizer=None)  # the body is parsed on its threads
+    router = SimpleNamespace(model_info=lambda: info, max_inflight=8, inflight=0,
+                             intake=intake)
     app = app_module.make_app(router, Security(ServiceConfig(), ()), Lifecycle())
 
     async def main():
@@ -222,7 +224,10 @@ def test_over_http_a_bad_constraint_is_a_400_naming_the_field():
                 "model": "m", "prompt": "p", "guided_choice": "yes"})
         return chat, completion
 
-    chat, completion = asyncio.run(main())
+    try:
+        chat, completion = asyncio.run(main())
+    finally:
+        intake.close()
     assert chat.status_code == 400 and completion.status_code == 400
     assert chat.json()["error"]["param"] == "response_format"
     assert chat.json()["error"]["type"] == "invalid_request_error"
@@ -357,7 +362,8 @@ def test_get_stats_carries_the_spec_decode_counters():
         kv_layout=KVLayout("m", "float32", 16, 2, 1, 8),
         model_info=ModelInfo("m", "LlamaForCausalLM", 64, 100, (2,), 16, "float32"))
     stats = EngineStats(num_blocks=8, num_free_blocks=8, num_generation_tokens=20, **SPEC)
-    servicer = WorkerServicer(SimpleNamespace(engine=engine, stats=stats), "e1", "decode",
+    servicer = WorkerServicer(SimpleNamespace(engine=engine, stats=stats,
+                                              stalled_since=lambda: None), "e1", "decode",
                               Lifecycle())
     reply = asyncio.run(servicer.GetStats(wk.GetStatsRequest(), None))
     assert (reply.num_spec_drafts, reply.num_spec_draft_tokens,

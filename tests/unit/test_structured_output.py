@@ -6,13 +6,17 @@ bad constraints refused before anything is queued; a dead end ends the request."
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
 import pytest
 
+from baton.v1 import generation_pb2 as gen
+from router.openai.render import Choice, Renderer, event
 from services.engine import SamplingParams
 from services.engine.config import SpecConfig
+from services.serving.convert import logprobs_messages
 from services.serving.sampling_params import StructuredOutput
 from tests.unit.engine_helpers import assert_idle, greedy
 
@@ -151,7 +155,9 @@ def test_a_resumed_request_rebuilds_its_matcher(llm, make_llm):
     p = ask(llm, f"Describe {what} as JSON.")
     ref = llm.generate([p], constrained(so, 64))[0]
     other = make_llm(dtype="float32", max_num_batched_tokens=256)
-    rid = other.engine.resume_request(p, ref.token_ids[:5], constrained(so, 64))
+    grammar = other.engine.grammars.compile(so)  # what a worker does before the admit
+    rid = other.engine.resume_request(p, ref.token_ids[:5], constrained(so, 64),
+                                      grammar=grammar)
     outs = []
     while other.engine.has_unfinished_requests():
         outs += [o for o in other.engine.step() if o.request_id == rid]
@@ -172,8 +178,11 @@ def test_a_resumed_request_rebuilds_its_matcher(llm, make_llm):
 ])
 def test_a_constraint_that_cannot_compile_is_refused_before_queueing(llm, so, problem):
     with pytest.raises(ValueError, match=f"structured output {problem}: cannot compile"):
-        llm.engine.add_request([1, 2, 3], constrained(so))
+        llm.generate([[1, 2, 3], [4, 5]], [greedy(4), constrained(so)])
     assert not llm.engine.has_unfinished_requests()
+    # The engine itself never compiles: uncompiled, it refuses.
+    with pytest.raises(ValueError, match=f"structured output {problem}: not compiled"):
+        llm.engine.add_request([1, 2, 3], constrained(so))
 
 
 def test_a_dead_end_ends_the_request_with_its_own_finish_reason(llm, monkeypatch):
@@ -192,7 +201,7 @@ def test_a_dead_end_ends_the_request_with_its_own_finish_reason(llm, monkeypatch
         def valid_prefix(self, tokens):
             return []
 
-    monkeypatch.setattr(llm.engine.grammars, "matcher", lambda so: DeadEnd())
+    monkeypatch.setattr(llm.engine.grammars, "matcher", lambda so, compiled: DeadEnd())
     p = ask(llm, "Hello")
     outs = llm.generate([p, p], [constrained(StructuredOutput("json_object"), 16),
                                  greedy(8)])
@@ -234,7 +243,8 @@ def test_a_drafted_stop_token_ends_the_drafts_it_can_verify(llm):
     import torch
 
     engine = llm.engine
-    state = engine.grammars.matcher(StructuredOutput("choice", choices=("yes",)))
+    yes_only = StructuredOutput("choice", choices=("yes",))
+    state = engine.grammars.matcher(yes_only, engine.grammars.compile(yes_only))
     eos = engine.model_config.eos_token_ids[0]
     yes = engine.tokenizer.encode("yes", add_special_tokens=False)
     drafts = state.valid_prefix(yes + [eos, yes[0]])
@@ -244,3 +254,28 @@ def test_a_drafted_stop_token_ends_the_drafts_it_can_verify(llm):
     state.fill(bitmask, 0, drafts)
     assert (bitmask[-1] == 0).all() and (bitmask[:-1] != 0).any(dim=1).all()
     assert state.accept(yes[0]) and not state.terminated  # back at the start
+
+
+def test_logprobs_wider_than_the_constraint_are_finite_and_strict_json(llm):
+    """guided_choice ["yes", "no"] with top_logprobs 5: the tokens the constraint masks
+    are left out of the top 5 (never -inf), so the gRPC message and both OpenAI shapes
+    (whole and streamed) are strict JSON."""
+    so = StructuredOutput("choice", choices=("yes", "no"))
+    out = llm.generate(ask(llm, "Is the sky blue? Answer yes or no."),
+                       constrained(so, 8, logprobs=5))[0]
+    assert out.text in ("yes", "no") and out.logprobs
+    for token, entries in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entries and all(math.isfinite(v) for v in entries.values())
+    assert len(out.logprobs[0]) < 6  # the first token: only "yes" or "no" can start it
+    delta = gen.TokenDelta(token_ids=out.token_ids, text=out.text,
+                           logprobs=logprobs_messages(out.logprobs),
+                           finish_reason=gen.FINISH_REASON_STOP)
+    reply = gen.GenerateResponse(request_id="r", delta=delta)
+    renderer = Renderer(True, "m", lambda t: llm.engine.tokenizer.decode([t]))
+    choice = Choice(0)
+    choice.add(reply)
+    body = json.dumps(renderer.whole([choice], 1, 5), allow_nan=False)
+    top = json.loads(body)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert 1 <= len(top) < 6 and all(math.isfinite(t["logprob"]) for t in top)
+    assert "Infinity" not in event(renderer.chunk(0, reply, True, 5, False))
+    assert_idle(llm)

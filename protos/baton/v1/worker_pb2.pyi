@@ -84,24 +84,28 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "layout")
+    __slots__ = ("engine_id", "layout", "nonce")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: KvLayout
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transport", "transport_metadata")
+    __slots__ = ("engine_id", "layout", "transport", "transport_metadata", "proof")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: KvLayout
     transport: str
     transport_metadata: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "priority", "cache_salt", "handle", "prefill_address", "output_token_ids")
@@ -154,7 +158,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired", "draining", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens")
+    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired", "draining", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "engine_stalled_since")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +182,7 @@ class GetStatsResponse(_message.Message):
     NUM_SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STALLED_SINCE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_waiting: int
@@ -201,7 +206,8 @@ class GetStatsResponse(_message.Message):
     num_spec_drafts: int
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    engine_stalled_since: float
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., engine_stalled_since: _Optional[float] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "block_ids")

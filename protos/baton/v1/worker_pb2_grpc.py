@@ -71,7 +71,9 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Handshake(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """KV layout and transport metadata for a decode worker; with a cluster token, a proof
+        that this worker holds it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

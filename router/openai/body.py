@@ -1,0 +1,195 @@
+"""An OpenAI request body, from bytes to its model, counted before anything is built per
+item. It runs on the intake's threads, and never holds the interpreter for long, so the
+event loop (health, every other stream) keeps answering:
+
+    bytes ──> JSON      C's json when the body holds few brackets and commas; otherwise
+                        a parse that counts as it goes and stops past the limits (a
+                        million prompts or chat messages cost it the first few thousand)
+          ──> counts    prompts, choices, messages, characters, token ids, stop strings,
+                        cache_salt, user: each over its limit is a 400 naming the field
+          ──> model     pydantic, on a body now known to be small enough
+"""
+
+from __future__ import annotations
+
+import json
+from json.decoder import JSONArray, JSONObject
+from json.scanner import py_make_scanner
+
+from pydantic import BaseModel, ValidationError
+
+from services.serving.errors import InvalidArgument
+from services.serving.limits import Limits
+
+CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
+SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
+# The arrays a body may hold at its top level, and the limit each counts against.
+ARRAY_LIMITS = {"messages": "max_messages", "stop": "max_stop",
+                "stop_token_ids": "max_stop_token_ids", "prompt": "max_prompts"}
+
+
+def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits
+               ) -> BaseModel:
+    """The body (or its chunks) as `kind`, or InvalidArgument naming the first field over
+    a limit or malformed."""
+    data = load_json(raw if isinstance(raw, bytes) else b"".join(raw), limits)
+    if not isinstance(data, dict):
+        raise InvalidArgument("body: must be a JSON object")
+    check_counts(data, limits)
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise InvalidArgument(f"{param}: {first.get('msg')}") from None
+    limits.check("max_n", body.n, "n")  # again: pydantic may have read "200" as 200
+    return body
+
+
+def budgets(limits: Limits) -> tuple[int, int]:
+    """(objects and arrays, values) that a body within the limits can hold: each message
+    and a few content parts, each prompt, every token id, and room for the rest (a JSON
+    schema, stream options)."""
+    containers = 4 * limits.max_messages + limits.max_prompts + 4096
+    values = limits.max_prompt_token_ids + limits.max_stop_token_ids + 8 * containers
+    return containers, values
+
+
+def load_json(raw: bytes, limits: Limits):
+    try:
+        if (_count(raw, (b"{", b"["), CHEAP) <= CHEAP
+                and _count(raw, (b",",), 32 * CHEAP) <= 32 * CHEAP):
+            return json.loads(raw)
+        return _CountingDecoder(limits, *budgets(limits)).decode(raw.decode("utf-8"))
+    except RecursionError:
+        raise InvalidArgument("body: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidArgument(f"body: not valid JSON ({e})") from None
+
+
+def _count(raw: bytes, chars: tuple[bytes, ...], bound: int) -> int:
+    """How often `chars` occur in `raw`, counted a slice at a time, up to past `bound`."""
+    n = 0
+    for i in range(0, len(raw), SLICE):
+        n += sum(raw.count(c, i, i + SLICE) for c in chars)
+        if n > bound:
+            break
+    return n
+
+
+def _key_before(s: str, idx: int) -> str:
+    """The key of the object member whose value starts at `idx` ("key": value)."""
+    end = s.rfind('"', 0, s.rfind(":", 0, idx))
+    return s[s.rfind('"', 0, end) + 1:end]
+
+
+class _CountingDecoder(json.JSONDecoder):
+    """Python's own JSON scanner (strings still parsed in C) that counts as it goes and
+    stops at the first count over its bound: the items of each top-level array that has
+    a limit (ARRAY_LIMITS), chat messages (objects with a string "role"), and all the
+    objects, arrays and values together."""
+
+    def __init__(self, limits: Limits, containers: int, values: int):
+        super().__init__(object_pairs_hook=self._object)
+        self.limits, self.containers_left, self.values_left = limits, containers, values
+        self.messages = self.depth = 0
+        self.key = ""  # the top-level member being parsed
+        self.parse_object, self.parse_array = self._parse_object, self._parse_array
+        self.scan_once = py_make_scanner(self)
+
+    def _counted(self, scan_once, top: bool = False, key: str | None = None):
+        """`scan_once`, counting each value it parses (of an object's members when `top`,
+        of a top-level array named `key`)."""
+        items, limit = 0, ARRAY_LIMITS.get(key)
+
+        def scan(string, idx):
+            nonlocal items, limit
+            self.values_left -= 1
+            if self.values_left < 0:
+                raise InvalidArgument("body: more JSON values than a request within the "
+                                      "size limits holds")
+            if top:
+                self.key = _key_before(string, idx)
+            elif limit is not None:
+                if not items and key == "prompt" and string[idx] in "-0123456789":
+                    limit = "max_prompt_token_ids"  # one prompt of token ids
+                items += 1
+                self.limits.check(limit, items, key, more=True)
+            return scan_once(string, idx)
+
+        return scan
+
+    def _enter(self) -> None:
+        self.containers_left -= 1
+        if self.containers_left < 0:
+            raise InvalidArgument("body: more JSON objects and arrays than a request within "
+                                  "the size limits holds")
+        self.depth += 1
+
+    def _parse_object(self, s_and_end, strict, scan_once, object_hook, pairs_hook, memo):
+        self._enter()
+        try:
+            return JSONObject(s_and_end, strict, self._counted(scan_once, self.depth == 1),
+                              object_hook, pairs_hook, memo)
+        finally:
+            self.depth -= 1
+
+    def _parse_array(self, s_and_end, scan_once):
+        self._enter()
+        try:
+            key = self.key if self.depth == 2 else None
+            return JSONArray(s_and_end, self._counted(scan_once, key=key))
+        finally:
+            self.depth -= 1
+
+    def _object(self, pairs: list) -> dict:
+        out = dict(pairs)
+        if isinstance(out.get("role"), str):
+            self.messages += 1
+            self.limits.check("max_messages", self.messages, "messages", more=True)
+        return out
+
+
+def check_counts(data: dict, limits: Limits) -> None:
+    """Each count and length of a parsed body against its limit, before any per-item
+    work: the types are not checked yet (pydantic does that next), so what is not the
+    expected shape is skipped here."""
+    check = limits.check
+    if isinstance(data.get("n"), int):
+        check("max_n", data["n"], "n")
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        check("max_prompt_chars", len(prompt), "prompt")
+    elif isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], int):  # one prompt of token ids
+            check("max_prompt_token_ids", len(prompt), "prompt")
+        else:
+            check("max_prompts", len(prompt), "prompt")
+            check("max_prompt_chars", sum(len(p) for p in prompt if isinstance(p, str)),
+                  "prompt")
+            check("max_prompt_token_ids",
+                  sum(len(p) for p in prompt if isinstance(p, list)), "prompt")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        check("max_messages", len(messages), "messages")
+        check("max_prompt_chars", sum(map(_content_chars, messages)), "messages")
+    stop = data.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if isinstance(stop, list):
+        check("max_stop", len(stop), "stop")
+        check("max_stop_chars", max((len(s) for s in stop if isinstance(s, str)), default=0),
+              "stop")
+    for name, limit in (("stop_token_ids", "max_stop_token_ids"),
+                        ("cache_salt", "max_cache_salt_chars"), ("user", "max_user_chars")):
+        if isinstance(data.get(name), (list, str)):
+            check(limit, len(data[name]), name)
+
+
+def _content_chars(message) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0

@@ -1,0 +1,182 @@
+"""The abuse suite: the router's front door (HTTP and gRPC, on one event loop, in front
+of fake workers) sent the giant requests of the review, at their sizes. Each is refused
+in under a second, naming its field, while a poller of /health on the same router sees
+every answer in under 100 ms; then a normal request is served."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+
+from baton.v1 import generation_pb2 as gen
+from router.config import RouterConfig
+from router.openai.server import HttpServer
+from services.serving.config import ServiceConfig
+from services.serving.security import Security
+from services.serving.server import CHANNEL_OPTIONS
+from tests.unit.router_fakes import PROMPT, cluster, expected
+
+ROOT = Path(__file__).resolve().parents[2]
+MILLION = 1_000_000
+GENERATE, TOKENIZE = "/baton.v1.Generation/Generate", "/baton.v1.Generation/Tokenize"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def _many_messages(message, n: int) -> bytes:
+    """`message`'s type with a chat of `n` empty user messages, as wire bytes (built by
+    repeating one message's bytes: a million protobuf objects would take seconds)."""
+    one = gen.ChatMessages(messages=[gen.ChatMessage(role="user")]).SerializeToString()
+    number = message.DESCRIPTOR.fields_by_name["chat"].number
+    return bytes([number << 3 | 2]) + _varint(len(one) * n) + one * n
+
+
+def _http_bodies() -> list[tuple[str, bytes, str]]:
+    """(path, body, the field its refusal names)"""
+    head = b'{"model": "fake", '
+    return [
+        ("/v1/completions", head + b'"prompt": [' + b'"a", ' * (MILLION - 1) + b'"a"]}',
+         "prompt"),
+        ("/v1/chat/completions",
+         head + b'"messages": [' + b'{"role": "user", "content": ""}, ' * (MILLION - 1)
+         + b'{"role": "user", "content": ""}]}', "messages"),
+        ("/v1/completions", json.dumps({"model": "fake", "prompt": "hi",
+                                        "cache_salt": "s" * (8 << 20)}).encode(),
+         "cache_salt"),
+        ("/v1/completions", json.dumps({"model": "fake", "prompt": "hi",
+                                        "stop": ["x" * 200] * 20_000}).encode(), "stop"),
+        ("/v1/completions", json.dumps({"model": "fake", "prompt": "hi",
+                                        "n": MILLION}).encode(), "n"),
+        ("/v1/completions", json.dumps({"model": "fake", "prompt": ["hi"] * 200,
+                                        "n": 100}).encode(), "n"),  # 20,000 choices
+    ]
+
+
+def _grpc_requests() -> list[tuple[str, bytes, str]]:
+    """(method, request bytes, the field its refusal names)"""
+    stops = gen.SamplingParams(stop=["x" * 200] * 20_000)
+    return [
+        (GENERATE, _many_messages(gen.GenerateRequest, MILLION), "chat.messages"),
+        (TOKENIZE, _many_messages(gen.TokenizeRequest, MILLION), "chat.messages"),
+        (GENERATE, gen.GenerateRequest(text="hi", cache_salt="s" * (8 << 20))
+         .SerializeToString(), "cache_salt"),
+        (GENERATE, gen.GenerateRequest(text="hi", sampling=stops).SerializeToString(),
+         "sampling.stop"),
+        (GENERATE, gen.GenerateRequest(token_ids=gen.TokenIds(ids=[5] * (2 * MILLION)))
+         .SerializeToString(), "token_ids"),
+        (GENERATE, gen.GenerateRequest(text="a" * (8 << 20)).SerializeToString(), "text"),
+        (TOKENIZE, gen.TokenizeRequest(text="a" * (8 << 20)).SerializeToString(), "text"),
+    ]
+
+
+async def _poll(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    async with httpx.AsyncClient() as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            reply = await client.get(url)
+            latencies.append(time.perf_counter() - t0)
+            assert reply.status_code == 200, reply.text
+            await asyncio.sleep(0.01)
+
+
+async def _send_all(base: str, address: str, http_bodies, grpc_requests) -> list[dict]:
+    """Every giant request, one after another: what came back, and how long it took."""
+    out = []
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for path, body, field in http_bodies:
+            t0 = time.perf_counter()
+            reply = await client.post(path, content=body,
+                                      headers={"content-type": "application/json"})
+            out.append({"want": field, "took": time.perf_counter() - t0,
+                        "status": reply.status_code, "param": reply.json()["error"]["param"]})
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        for method, raw, field in grpc_requests:
+            unary = method == TOKENIZE
+            call = (channel.unary_unary if unary else channel.unary_stream)(method)
+            t0 = time.perf_counter()
+            try:
+                await (call(raw, timeout=10) if unary else call(raw, timeout=10).read())
+                code, details = "OK", ""
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code().name, e.details()
+            out.append({"want": field, "took": time.perf_counter() - t0, "status": code,
+                        "param": details.split(": ")[0]})
+    return out
+
+
+def test_giant_requests_are_refused_fast_while_health_answers(tok):
+    async def main():
+        # Workers are not what is tested: slow polls on a busy machine must not mark them
+        # down (the poller below would see any stall of the loop anyway).
+        async with cluster(tok, worker_timeout=30) as c:
+            port = _free_port()
+            config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port)
+            http = HttpServer(config, c.router, Security(ServiceConfig(), ()), c.lifecycle)
+            await http.start()
+            base = f"http://127.0.0.1:{port}"
+            gc.freeze()  # as the router's run() does once loaded (else a full collection
+            # of this test process, torch and all, pauses its loop for half a second)
+            try:
+                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                    for _ in range(500):  # until the router has found its workers
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                        await asyncio.sleep(0.01)
+                    # The abuser is another process (its own work costs this loop
+                    # nothing); it builds its bodies, then sends them when told.
+                    sender = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "tests.unit.test_abuse", base, c.address,
+                        cwd=ROOT, stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE)
+                    assert await sender.stdout.readline() == b"ready\n"
+                    stop, latencies = asyncio.Event(), []
+                    poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
+                    results = json.loads((await sender.communicate(b"go\n"))[0])
+                    stop.set()
+                    await poller
+                    # Served as ever, by both APIs.
+                    reply = await client.post("/v1/completions", json={
+                        "model": "fake", "prompt": PROMPT, "max_tokens": 4})
+                    want = "".join(f"<{t}>" for t in expected(PROMPT, 4))
+                    assert reply.status_code == 200
+                    assert reply.json()["choices"][0]["text"] == want
+                    msgs = await c.generate(PROMPT, 4)
+                    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+            finally:
+                gc.unfreeze()
+                await http.stop()
+        return results, latencies
+
+    results, latencies = asyncio.run(main())
+    assert len(results) == 13, results  # 6 HTTP bodies, 7 gRPC requests
+    for r in results:
+        assert r["status"] in (400, "INVALID_ARGUMENT") and r["param"] == r["want"], r
+        assert r["took"] < 1.0, r
+    assert len(latencies) > 10 and max(latencies) < 0.1, (len(latencies), max(latencies))
+
+
+if __name__ == "__main__":  # the abuser, started by the test above
+    bodies, requests = _http_bodies(), _grpc_requests()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(asyncio.run(_send_all(sys.argv[1], sys.argv[2], bodies, requests))))

@@ -1,0 +1,86 @@
+"""A decode worker's prefill peers hold channels and locks only while they are of use: a
+failed handshake leaves none behind, a peer forgotten takes its own, a restart at the
+same address keeps the channel, and known peers are bounded (the oldest go first)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+import decode_worker.peers as peers_module
+from decode_worker.peers import Peers
+from services.serving.config import ServiceConfig
+from services.serving.security import Security
+
+
+def _peers() -> Peers:
+    peers = Peers(Security(ServiceConfig("127.0.0.1:0")))
+    peers.bind(asyncio.get_running_loop())
+    return peers
+
+
+async def _shake(peers: Peers, address: str, engine_id: str | None) -> None:
+    """What the decode worker's handshake does with Peers: None, the handshake failed."""
+    async with peers.handshaking(address):
+        peers.stub(address)
+        if engine_id is None:
+            raise ConnectionError(f"{address} is not there")
+        peers.forget(address)
+        peers.add(engine_id, address)
+
+
+def test_a_failed_handshake_leaves_no_channel_or_lock():
+    async def main():
+        peers = _peers()
+        for i in range(200):  # as a caller naming address after address would
+            with pytest.raises(ConnectionError):
+                await _shake(peers, f"10.0.{i // 250}.{i % 250}:9", None)
+        assert not peers._aio and not peers._handshakes
+
+    asyncio.run(main())
+
+
+def test_handshakes_with_one_address_take_turns_and_then_let_go():
+    async def main():
+        peers = _peers()
+        inside, most = 0, 0
+
+        async def shake() -> None:
+            nonlocal inside, most
+            async with peers.handshaking("10.0.0.1:9"):
+                inside += 1
+                most = max(most, inside)
+                await asyncio.sleep(0.01)
+                peers.stub("10.0.0.1:9")
+                inside -= 1
+
+        await asyncio.gather(*(shake() for _ in range(5)))
+        assert most == 1 and not peers._handshakes and not peers._aio
+
+    asyncio.run(main())
+
+
+def test_known_peers_are_bounded_and_take_their_channels_along(monkeypatch):
+    monkeypatch.setattr(peers_module, "MAX_PEERS", 8)
+
+    async def main():
+        peers = _peers()
+        addresses = [f"10.0.0.{i}:9" for i in range(12)]
+        for i, a in enumerate(addresses):
+            await _shake(peers, a, f"e{i}")
+        assert list(peers.by_address) == addresses[4:]  # the oldest went first
+        assert set(peers._aio) == set(addresses[4:]) and len(peers._sync) == 8
+        assert set(peers.address) == {f"e{i}" for i in range(4, 12)}
+        last = addresses[-1]
+        stub = peers.stub(last)
+        await _shake(peers, last, "e11-restarted")  # same address, new engine
+        assert peers.stub(last) is stub and peers.by_address[last] == "e11-restarted"
+        channel = peers._aio[last][0]
+        peers.forget(last)
+        assert last not in peers._aio and "e11-restarted" not in peers.address
+        await asyncio.wait(list(peers._tasks))  # the channels' closes
+        assert channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+    asyncio.run(main())

@@ -1,0 +1,211 @@
+"""Defaults that are safe: /metrics listens where its service does and over its TLS; a
+service that listens beyond loopback with nothing that says who may call warns loudly;
+traces go over TLS unless told otherwise and OTel's own variables count; `baton up
+--api-key a,b` serves with both keys and its banner's own call passes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+
+import grpc
+import httpx
+import pytest
+
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from cli import up as up_module
+from cli.exposure import open_to_anyone
+from cli.flags import values
+from cli.main import main, parse
+from router.config import RouterConfig
+from router.server import GENERATION_METHODS
+from services.serving import tracing
+from services.serving.config import ServiceConfig
+from services.serving.metrics import serve_metrics
+from services.serving.security import Security
+from services.serving.server import Lifecycle, make_server, service_name
+from tests.e2e.certs import CA
+
+TOKEN = "t" * 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- /metrics ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address, host, bind", [
+    ("0.0.0.0:50061", None, "0.0.0.0"), ("127.0.0.1:50061", None, "127.0.0.1"),
+    ("[::1]:50061", None, "::1"), (":50061", None, "0.0.0.0"),
+    ("127.0.0.1:50061", "10.0.0.7", "10.0.0.7")])
+def test_metrics_listen_on_the_services_own_host_unless_told(address, host, bind):
+    assert ServiceConfig(address, metrics_port=9090, metrics_host=host).metrics_bind == bind
+
+
+def test_metrics_of_a_service_with_a_certificate_are_served_over_tls(tmp_path):
+    ca = CA(tmp_path, "ca")
+    cert, key = ca.issue("worker")
+    port = _free_port()
+    server = serve_metrics(ServiceConfig("127.0.0.1:50061", tls_cert=str(cert),
+                                         tls_key=str(key), metrics_port=port), [])
+    try:
+        assert server.server_address[0] == "127.0.0.1"  # not every interface
+        verify = ssl.create_default_context(cafile=ca.path)
+        assert httpx.get(f"https://127.0.0.1:{port}/metrics", verify=verify,
+                         timeout=10).status_code == 200
+        with pytest.raises(httpx.HTTPError):  # no plaintext beside it
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert serve_metrics(ServiceConfig(metrics_port=0), []) is None
+
+
+# ---- open to anyone ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("role, service, router, warns", [
+    ("router", ServiceConfig("0.0.0.0:50051"), RouterConfig(), "no API key"),
+    ("colocated", ServiceConfig("10.1.2.3:50051"), RouterConfig(), "no API key"),
+    ("router", ServiceConfig("0.0.0.0:50051"), RouterConfig(api_keys=("k",)), None),
+    ("router", ServiceConfig("127.0.0.1:50051"), RouterConfig(), None),
+    ("router", ServiceConfig("localhost:50051"), RouterConfig(), None),
+    ("decode", ServiceConfig("0.0.0.0:50071"), None, "neither a cluster token"),
+    ("prefill", ServiceConfig("[::]:50061"), None, "neither a cluster token"),
+    ("prefill", ServiceConfig("0.0.0.0:50061", cluster_token=TOKEN), None, None),
+    ("decode", ServiceConfig("[::1]:50071"), None, None),
+])
+def test_a_service_beyond_loopback_with_nothing_to_check_callers_says_so(
+        role, service, router, warns):
+    why = open_to_anyone(role, service, router)
+    assert (why is None) if warns is None else (warns in why)
+
+
+def test_baton_serve_logs_the_warning(monkeypatch, caplog):
+    import router.server
+
+    started = []
+    monkeypatch.setattr(router.server, "serve", started.append)
+    for keys, warned in (([], True), (["--api-key", "k"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            main(["serve", "--role", "router", "--decode", "127.0.0.1:1", *keys])
+        hits = [r for r in caplog.records if r.levelno == logging.WARNING
+                and "no API key" in r.getMessage()]
+        assert bool(hits) is warned
+    assert len(started) == 2  # it warns, and serves all the same
+
+
+def test_baton_up_beyond_loopback_without_a_key_warns_on_stderr(monkeypatch, capsys):
+    def spawn(*a, **kw):
+        raise RuntimeError("not starting processes in a unit test")
+
+    monkeypatch.setattr(up_module, "spawn", spawn)
+    monkeypatch.setattr(up_module.signal, "signal", lambda *a: None)
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
+    for argv, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key",
+                                                          "k"], False), ([], False)):
+        args, flags = parse(["up", *argv])
+        with pytest.raises(SystemExit):
+            up_module.up(args, flags)
+        err = capsys.readouterr().err
+        assert ("WARNING" in err and "no API key" in err) is warned, err
+
+
+# ---- traces -----------------------------------------------------------------------------
+
+def _exporter(monkeypatch, env: dict[str, str], **service):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE",
+                 "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    options = tracing.exporter_options(ServiceConfig(**service))
+    if options is None:
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    exporter = OTLPSpanExporter(**options)
+    exporter.shutdown()
+    return exporter
+
+
+@pytest.mark.parametrize("env, service, endpoint, insecure", [
+    ({}, {"otlp_traces_endpoint": "collector:4317"}, "collector:4317", False),
+    ({}, {"otlp_traces_endpoint": "collector:4317", "otlp_insecure": True},
+     "collector:4317", True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
+     {"otlp_traces_endpoint": "collector:4317"}, "collector:4317", True),
+    ({"OTEL_EXPORTER_OTLP_INSECURE": "true"}, {"otlp_traces_endpoint": "collector:4317"},
+     "collector:4317", True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://otel.example:4317"}, {},
+     "otel.example:4317", False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel.local:4317"}, {}, "otel.local:4317", True),
+])
+def test_traces_go_over_tls_unless_told_otherwise(monkeypatch, env, service, endpoint,
+                                                  insecure):
+    exporter = _exporter(monkeypatch, env, **service)
+    assert (exporter._endpoint, exporter._insecure) == (endpoint, insecure)
+
+
+def test_no_endpoint_or_a_disabled_sdk_means_no_traces(monkeypatch):
+    assert _exporter(monkeypatch, {}) is None
+    assert _exporter(monkeypatch, {"OTEL_SDK_DISABLED": "true"},
+                     otlp_traces_endpoint="collector:4317") is None
+
+
+def test_otel_service_name_names_the_service(monkeypatch):
+    _exporter(monkeypatch, {})
+    assert tracing.resource("baton-router").attributes["service.name"] == "baton-router"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-router")
+    assert tracing.resource("baton-router").attributes["service.name"] == "edge-router"
+
+
+# ---- baton up --api-key a,b -------------------------------------------------------------
+
+class _Named(gen_grpc.GenerationServicer):
+    async def GetModelInfo(self, request, context):
+        return gen.GetModelInfoResponse(info=gen.ModelInfo(model="smol.gguf"))
+
+
+def test_up_gives_the_router_every_key_and_calls_it_with_the_first(monkeypatch):
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
+    args, flags = parse(["up", "--api-key", "a,b", "--api-key", "c"])
+    assert up_module.api_keys(args) == ("a", "b", "c")
+    argv, env = up_module.router_launch(args, flags, "127.0.0.1:1", "127.0.0.1:2", {})
+    assert not any(k in argv for k in ("a", "b", "c", "a,b"))  # `ps` shows argv
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    router_args, router_flags = parse(["serve", "--role", "router", *argv])
+    keys = values(router_args, router_flags, "router")["router"]["api_keys"]
+    assert keys == ("a", "b", "c")
+
+    async def main():
+        lifecycle = Lifecycle()
+        lifecycle.authorize = Security(ServiceConfig(), keys).grpc_check(GENERATION_METHODS)
+
+        def register(server):
+            gen_grpc.add_GenerationServicer_to_server(_Named(), server)
+            return [service_name(gen, "Generation")]
+
+        server = make_server(register, lifecycle)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        call = asyncio.get_running_loop().run_in_executor
+        try:
+            assert await call(None, up_module.served_name, f"127.0.0.1:{port}", "a") == "smol"
+            with pytest.raises(grpc.RpcError) as e:  # what `up` used to send
+                await call(None, up_module.served_name, f"127.0.0.1:{port}", "a,b")
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
