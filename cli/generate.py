@@ -8,10 +8,10 @@ import sys
 
 import grpc
 
+from baton.services.rpc.convert import finish_reason_of, sampling_message
+from baton.services.rpc.security import client_credentials
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from services.serving.convert import FINISH_NAME, sampling_message
-from services.serving.security import client_credentials
 
 
 def add_parser(sub) -> None:
@@ -56,7 +56,8 @@ def generate(args) -> None:
                 if msg.delta.finish_reason:
                     u, t = msg.usage, msg.timings
                     print(flush=True)
-                    print(f"[{FINISH_NAME[msg.delta.finish_reason]}] prompt {u.prompt_tokens}, "
+                    reason = finish_reason_of(msg.delta.finish_reason)
+                    print(f"[{reason}] prompt {u.prompt_tokens}, "
                           f"completion {u.completion_tokens}, cached {u.cached_tokens} "
                           f"tokens; first token {t.first_token_s * 1000:.0f} ms, KV "
                           f"transfer {t.kv_transfer_s * 1000:.1f} ms", file=sys.stderr)

@@ -17,9 +17,9 @@ import os
 import sys
 import uuid
 
-from cli import generate, up
-from cli.exposure import warn_if_open
-from cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
+from baton.cli import generate, up
+from baton.cli.exposure import warn_if_open
+from baton.cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
 
 def _role_in(argv: list[str]) -> str | None:
@@ -55,9 +55,9 @@ def _serve(args, flags: list[Flag]) -> None:
     address = args.address or f"0.0.0.0:{DEFAULT_PORTS[role]}"
     given = values(args, flags, role)
     try:
-        from router.config import RouterConfig
-        from services.serving.config import ServiceConfig
-        from services.serving.limits import Limits
+        from baton.router.config import RouterConfig
+        from baton.services.common.limits import Limits
+        from baton.services.rpc.config import ServiceConfig
 
         service = ServiceConfig(address=address, **given["service"])
         router = RouterConfig(service=service, limits=Limits(**given["limits"]),
@@ -65,8 +65,8 @@ def _serve(args, flags: list[Flag]) -> None:
         if role == "router" and not router.decode:
             fail("the router needs --decode addresses (and usually --prefill ones)")
         if role in WORKERS:
-            from services.engine.config import EngineConfig, SpecConfig
-            from services.worker.config import WorkerConfig
+            from baton.services.engine.config import EngineConfig, SpecConfig
+            from baton.services.worker.config import WorkerConfig
 
             engine = EngineConfig(speculative=SpecConfig(**given["spec"]), **given["engine"])
             worker = dict(given["worker"])
@@ -74,7 +74,7 @@ def _serve(args, flags: list[Flag]) -> None:
             # (its pairs, its peers' NIXL metadata and its lease ids start anew).
             worker["engine_id"] = f"{worker.get('engine_id') or role}-{uuid.uuid4().hex[:8]}"
             if role != "colocated" and not worker.get("kv_transport"):
-                from kv_transfer import default_transport
+                from baton.kv_transfer import default_transport
 
                 worker["kv_transport"] = default_transport()
             config = WorkerConfig(engine=engine, service=service, **worker)
@@ -82,19 +82,19 @@ def _serve(args, flags: list[Flag]) -> None:
         fail(str(e))
     warn_if_open(role, service, router)
     if role == "router":
-        from router.server import serve
+        from baton.router.server import serve
 
         serve(router)
     elif role == "prefill":
-        from prefill_worker.server import serve
+        from baton.prefill_worker.server import serve
 
         serve(config)
     elif role == "decode":
-        from decode_worker.server import serve
+        from baton.decode_worker.server import serve
 
         serve(config)
     else:
-        from cli.colocated import serve
+        from baton.cli.colocated import serve
 
         serve(config, router)
 
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "up":
         up.up(args, flags)
     elif args.command == "health":
-        from services.serving.processes import is_serving
-        from services.serving.security import client_credentials
+        from baton.services.rpc.processes import is_serving
+        from baton.services.rpc.security import client_credentials
 
         creds = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
         sys.exit(0 if is_serving(args.address, credentials=creds) else 1)

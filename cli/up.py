@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 
-from cli.exposure import address, is_loopback, open_to_anyone, reachable
-from cli.flags import Flag, add_flags, argv_for
-from router.config import RouterConfig
-from services.serving.config import ServiceConfig
-from services.serving.processes import spawn, stop_all, wait_healthy
-from services.serving.security import client_credentials, load_keys
+from baton.cli.exposure import address, is_loopback, open_to_anyone, reachable
+from baton.cli.flags import Flag, add_flags, argv_for
+from baton.router.config import RouterConfig
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.services.rpc.security import client_credentials, load_keys
 
 
 def add_parser(sub, with_flags: bool) -> list[Flag]:

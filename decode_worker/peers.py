@@ -1,6 +1,15 @@
 """The prefill engines a decode worker has shaken hands with, and the calls it makes to
-them: the handshake, lease confirmations and releases (on the event loop), and block
-reads for the gRPC transport (on the receiver's threads).
+them: the handshake, lease releases (on the event loop), and block reads for the gRPC
+transport (on the receiver's threads).
+
+This side releases the lease of every handle it is given once, on one of two paths:
+
+    the pull landed ──> confirm: ReleaseKv, and its answer is the lease check
+                        (kv_transfer/lease_check.py): held, the blocks are ours
+    the load is over  ──> ReleaseKv in the background, unless a confirm released it:
+    (the request's first     no pull, a failed or abandoned one, a failed or cancelled
+     output, or the call's   call (a second ReleaseKv would be harmless: a lease id is
+     end: `holding`)         never granted again, so it would answer released=False)
 
 Channels and locks are bounded: an address has a channel while its peer is known or a
 handshake with it is under way, and a lock only while a handshake holds or awaits it; at
@@ -11,27 +20,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import grpc
 
+from baton.kv_transfer.base import KVHandle
+from baton.services.rpc.security import Security
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from kv_transfer.base import KVHandle
-from services.serving.security import Security
 
 log = logging.getLogger(__name__)
 
 # A prefill worker that does not confirm a lease in this time is treated as gone (dead or
 # frozen): the pull fails and the load-failure policy applies.
 CONFIRM_TIMEOUT_S = 3.0
+RELEASE_TIMEOUT_S = 10.0  # a background release; one that fails leaves the lease to expire
 # Block reads over gRPC: a floor, plus time per block (a frozen source fails them too).
 FETCH_BASE_S, FETCH_PER_BLOCK_S = 5.0, 0.05
-MAX_CONFIRMED = 4096
 MAX_PEERS = 1024
+
+
+def _key(handle: KVHandle) -> tuple[str, str, int]:
+    return handle.engine_id, handle.request_id, handle.lease_id
 
 
 class Peers:
@@ -46,9 +58,8 @@ class Peers:
         self._sync: dict[str, grpc.Channel] = {}  # engine id -> channel (receiver threads)
         # address -> (its lock, handshakes holding or awaiting it)
         self._handshakes: dict[str, tuple[asyncio.Lock, int]] = {}
-        # Leases a confirmation released, so the stream's own release is skipped. Bounded:
-        # a stream that ended before its confirmation came back never takes its key out.
-        self._confirmed: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        # The handles of Decode calls in progress: whether a confirm released the lease.
+        self._held: dict[tuple[str, str, int], bool] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the worker's event loop
 
@@ -107,9 +118,12 @@ class Peers:
     def _drop_stub(self, address: str) -> None:
         entry = self._aio.pop(address, None)
         if entry is not None:  # its calls in flight end (a lease then expires on its own)
-            task = asyncio.get_running_loop().create_task(entry[0].close())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(entry[0].close())
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- the receiver's threads ------------------------------------------------------
 
@@ -127,18 +141,6 @@ class Peers:
         still held. Called from the engine thread; the RPC runs on the event loop."""
         return asyncio.run_coroutine_threadsafe(self._confirm(handle), self._loop)
 
-    async def _confirm(self, handle: KVHandle) -> bool:
-        address = self.address.get(handle.engine_id)
-        if address is None:
-            raise ConnectionError(f"unknown peer {handle.engine_id!r}")
-        reply = await self.stub(address).ReleaseKv(
-            wk.ReleaseKvRequest(request_id=handle.request_id, lease_id=handle.lease_id),
-            timeout=CONFIRM_TIMEOUT_S)
-        self._confirmed[(handle.engine_id, handle.request_id, handle.lease_id)] = None
-        while len(self._confirmed) > MAX_CONFIRMED:
-            self._confirmed.popitem(last=False)
-        return reply.released
-
     def _channel(self, engine_id: str) -> grpc.Channel:
         channel = self._sync.get(engine_id)
         if channel is None:
@@ -147,28 +149,50 @@ class Peers:
 
     # ---- the event loop --------------------------------------------------------------
 
-    def release_soon(self, handle: KVHandle) -> None:
-        """Release the lease (in the background) unless a confirmation already did."""
-        key = (handle.engine_id, handle.request_id, handle.lease_id)
-        if key in self._confirmed:
-            del self._confirmed[key]
-            return
+    @contextmanager
+    def holding(self, handle: KVHandle) -> Iterator[Callable[[], None]]:
+        """A Decode call's hold on `handle`, from its start to its end. Yields `over`, to
+        call when the load is over (the request's first output); the end calls it too.
+        The first call releases the lease, unless a confirm did."""
+        key, ended = _key(handle), False
+        self._held[key] = False
+
+        def over() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                if not self._held.pop(key, False):
+                    self._spawn(self._release_quietly(handle))
+
+        try:
+            yield over
+        finally:
+            over()
+
+    async def _confirm(self, handle: KVHandle) -> bool:
+        released = await self._release(handle, CONFIRM_TIMEOUT_S)
+        if _key(handle) in self._held:
+            self._held[_key(handle)] = True
+        return released
+
+    async def _release_quietly(self, handle: KVHandle) -> None:
+        try:
+            await self._release(handle, RELEASE_TIMEOUT_S)
+        except ConnectionError:  # a peer we do not know: nothing of it to release
+            pass
+        except grpc.aio.AioRpcError as e:  # the lease expires on its own
+            log.warning("release of %s on %s failed: %s", handle.request_id,
+                        handle.engine_id, e.code())
+
+    async def _release(self, handle: KVHandle, timeout: float) -> bool:
+        """The one ReleaseKv this side sends: True iff the lease was still held."""
         address = self.address.get(handle.engine_id)
         if address is None:
-            return
-        stub = self.stub(address)
-
-        async def call():
-            try:
-                await stub.ReleaseKv(wk.ReleaseKvRequest(request_id=handle.request_id,
-                                                         lease_id=handle.lease_id), timeout=10)
-            except grpc.aio.AioRpcError as e:  # the lease expires on its own
-                log.warning("release of %s on %s failed: %s", handle.request_id,
-                            handle.engine_id, e.code())
-
-        task = asyncio.get_running_loop().create_task(call())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            raise ConnectionError(f"unknown peer {handle.engine_id!r}")
+        reply = await self.stub(address).ReleaseKv(
+            wk.ReleaseKvRequest(request_id=handle.request_id, lease_id=handle.lease_id),
+            timeout=timeout)
+        return reply.released
 
     def close(self) -> None:
         for channel in self._sync.values():

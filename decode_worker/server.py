@@ -19,39 +19,40 @@ import secrets
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import replace
 from functools import partial
 
 import grpc
 
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
-from decode_worker.peers import Peers
-from kv_transfer import make_receiver
-from kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
-from kv_transfer.faults import FailingReceiver
-from kv_transfer.lease_check import LeaseCheckedReceiver
-from services.engine.engine import LLMEngine
-from services.serving import tracing
-from services.serving.errors import (
+from baton.decode_worker.peers import Peers
+from baton.kv_transfer import make_receiver
+from baton.kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
+from baton.kv_transfer.faults import FailingReceiver
+from baton.kv_transfer.lease_check import LeaseCheckedReceiver
+from baton.services.engine.engine import LLMEngine
+from baton.services.rpc import tracing
+from baton.services.rpc.convert import sampling_params
+from baton.services.rpc.errors import (
     Aborted,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     Unavailable,
 )
-from services.serving.security import Security
-from services.worker import spans
-from services.worker.async_engine import AsyncEngine
-from services.worker.config import WorkerConfig
-from services.worker.messages import (
+from baton.services.rpc.security import Security
+from baton.services.worker import spans
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.config import WorkerConfig
+from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
     layout_message,
-    sampling_params,
     timings_message,
 )
-from services.worker.metrics import WorkerMetrics
-from services.worker.runtime import make_engine, run_worker
+from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.runtime import make_engine, run_worker
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,12 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 cluster = self.peers.security.cluster
                 if cluster and not cluster.proven(reply.proof, nonce, reply.engine_id,
                                                   reply.transport, reply.transport_metadata):
+                    # Whoever answers there now is not (or no longer) a cluster member:
+                    # drop what we knew of the address, and say so (a token leaked, or
+                    # a stale one, are the usual causes).
+                    self.peers.forget(address)
+                    log.warning("prefill worker %s failed the cluster token proof: "
+                                "forgotten, no pulls from it", address)
                     raise FailedPrecondition(f"prefill worker {address} cannot prove that it "
                                              "holds the cluster token: not pulling from it")
                 if reply.engine_id == known:
@@ -152,12 +159,9 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                     yield reply
             return
         h = request.handle
-        if not h.lease_id:
-            raise InvalidArgument("handle.lease_id: required (the lease the prefill worker "
-                                  "granted)")
-        if h.fingerprint and h.fingerprint != self.layout.fingerprint:
-            raise FailedPrecondition("KV handle fingerprint does not match this engine's "
-                                     "layout")
+        handle = KVHandle(h.engine_id, h.request_id or rid, h.lease_id, tuple(h.block_ids),
+                          h.num_tokens, fingerprint=h.fingerprint)
+        handle.check(self.layout, len(request.prompt_token_ids))  # before anything else
         if h.engine_id not in self.peers.address and request.prefill_address:
             # A prefill engine we have not met (or that restarted): shake hands. If that
             # fails, the pull fails ("unknown peer") and the load-failure policy applies.
@@ -167,8 +171,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 log.warning("cannot reach the KV of %s: %s", rid, e)
         deadline = (time.monotonic() + h.lease_s - LEASE_MARGIN_S if h.lease_s > 0
                     else float("inf"))
-        handle = KVHandle(h.engine_id, h.request_id or rid, h.lease_id, tuple(h.block_ids),
-                          h.num_tokens, deadline, verified=h.engine_id in self.peers.verified)
+        handle = replace(handle, deadline=deadline,
+                         verified=h.engine_id in self.peers.verified)
 
         def add(engine: LLMEngine, grammar):
             engine.add_remote_request(list(request.prompt_token_ids), request.first_token_id,
@@ -176,22 +180,12 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                       priority=request.priority,
                                       cache_salt=request.cache_salt or None, grammar=grammar)
 
-        released = False
-
-        def release_once() -> None:  # the load is over, whatever its outcome, or never ran
-            nonlocal released
-            if not released:
-                released = True
-                self.peers.release_soon(handle)
-
-        try:
+        with self.peers.holding(handle) as load_over:  # the lease released once (peers.py)
             grammar = await self.aengine.compile(params)  # a failure still releases the lease
             admit = partial(add, grammar=grammar)
-            async with aclosing(self._stream(rid, admit, context, release_once)) as replies:
+            async with aclosing(self._stream(rid, admit, context, load_over)) as replies:
                 async for reply in replies:
                     yield reply
-        finally:
-            release_once()
 
     async def _stream(self, rid: str, add, context, on_output=None):
         """The request's outputs as DecodeResponses; its part of the trace as spans: the

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference, torch_attn
-from kernels.metadata import AttentionMetadata
+from baton.kernels import reference, torch_attn
+from baton.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "BACKENDS", "reference", "select_backend", "torch_attn"]
 BACKENDS = ("flash-attn", "triton", "torch", "reference")
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def _flash(block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[ModuleType | None, str]:
     try:
-        from kernels import flash
+        from baton.kernels import flash
     except ImportError as e:
         return None, f"flash-attn does not import ({e})"
     why = flash.unsupported(block_size, head_dim, dtype)
@@ -45,7 +45,7 @@ def _triton(device: torch.device) -> tuple[ModuleType | None, str]:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "Triton needs CUDA (or TRITON_INTERPRET=1 to interpret it on CPU)"
     try:
-        from kernels import triton_attn
+        from baton.kernels import triton_attn
     except ImportError as e:
         return None, f"triton does not import ({e})"
     return triton_attn, "triton"

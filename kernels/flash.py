@@ -29,7 +29,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from baton.kernels.metadata import AttentionMetadata
 
 
 def _load():
@@ -52,9 +52,9 @@ _varlen, BUILD, PAGE_MULTIPLE = _load()
 _PARAMS = inspect.signature(_varlen).parameters
 
 try:
-    from kernels.triton_attn import reshape_and_cache
+    from baton.kernels.triton_attn import reshape_and_cache
 except ImportError:
-    from kernels.torch_attn import reshape_and_cache
+    from baton.kernels.torch_attn import reshape_and_cache
 
 __all__ = ["BUILD", "paged_attention", "reshape_and_cache", "unsupported"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from baton.kernels.metadata import AttentionMetadata
 
 
 def reshape_and_cache(

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from baton.kernels.metadata import AttentionMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

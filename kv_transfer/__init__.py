@@ -1,6 +1,6 @@
 """KV block transfer between engines: the contract (base), NIXL, a gRPC-stream fallback,
 the lease check every decode worker puts around its receiver, and an in-memory fake that
-only tests import. Importing this package (or `kv_transfer.base`) loads no torch: the
+only tests import. Importing this package (or `baton.kv_transfer.base`) loads no torch: the
 connectors are imported when one is made."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kv_transfer.base import KVLayout, KVReceiver, KVSender
-    from kv_transfer.grpc_stream import Fetch
+    from baton.kv_transfer.base import KVLayout, KVReceiver, KVSender
+    from baton.kv_transfer.grpc_stream import Fetch
 
 TRANSPORTS = ("nixl", "grpc")
 
@@ -25,11 +25,11 @@ def default_transport() -> str:
 
 def make_sender(transport: str, engine_id: str, layout: KVLayout, kv_caches: list) -> KVSender:
     if transport == "nixl":
-        from kv_transfer.nixl_connector import NixlConnector
+        from baton.kv_transfer.nixl_connector import NixlConnector
 
         return NixlConnector(engine_id, layout, kv_caches)
     if transport == "grpc":
-        from kv_transfer.grpc_stream import GrpcStreamSender
+        from baton.kv_transfer.grpc_stream import GrpcStreamSender
 
         return GrpcStreamSender()
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")
@@ -39,11 +39,11 @@ def make_receiver(transport: str, engine_id: str, layout: KVLayout, kv_caches: l
                   fetch: Fetch | None = None) -> KVReceiver:
     """`fetch(handle, block_ids)` yields block bytes; the gRPC transport needs it."""
     if transport == "nixl":
-        from kv_transfer.nixl_connector import NixlConnector
+        from baton.kv_transfer.nixl_connector import NixlConnector
 
         return NixlConnector(engine_id, layout, kv_caches)
     if transport == "grpc":
-        from kv_transfer.grpc_stream import GrpcStreamReceiver
+        from baton.kv_transfer.grpc_stream import GrpcStreamReceiver
 
         if fetch is None:
             raise ValueError("the gRPC transport needs a fetch function")

@@ -93,6 +93,8 @@ class KVHandle:
     `verified` is the receiver's word that the engine proved it belongs to the cluster
     (by the cluster token or mutual TLS): only then may the blocks enter the shared
     prefix cache; otherwise they serve this request alone.
+    `fingerprint` is the layout the blocks were written in, as the prefill engine stated
+    it ("" if it stated none).
     """
 
     engine_id: str
@@ -102,6 +104,26 @@ class KVHandle:
     num_tokens: int
     deadline: float = float("inf")
     verified: bool = False
+    fingerprint: str = ""
+
+    def check(self, layout: KVLayout, num_prompt_tokens: int) -> None:
+        """The one check of a handle a receiver was given for a prompt: ValueError if it
+        names no lease or does not hold exactly that prompt's blocks, IncompatibleLayout
+        if its blocks were laid out otherwise than ours. The decode worker makes it before
+        it does anything with the handle; the engine again as it takes the request."""
+        if self.lease_id <= 0:
+            raise ValueError("handle.lease_id: required (the lease the prefill worker "
+                             "granted)")
+        if self.fingerprint and self.fingerprint != layout.fingerprint:
+            raise IncompatibleLayout("KV handle fingerprint does not match this engine's "
+                                     "layout")
+        n = num_prompt_tokens
+        if self.num_tokens != n:
+            raise ValueError(f"remote KV holds {self.num_tokens} tokens, the prompt has {n}")
+        need = -(-n // layout.block_size)
+        if len(self.block_ids) != need:
+            raise ValueError(f"remote KV has {len(self.block_ids)} blocks, {n} tokens need "
+                             f"{need}")
 
 
 def check_caches(layout: KVLayout, kv_caches: list) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
-from kv_transfer.base import (
+from baton.kv_transfer.base import (
     IncompatibleLayout,
     KVHandle,
     KVLayout,

@@ -2,8 +2,11 @@
 WorkerService. A prompt runs (chunked, prefix-cached) to its first token; unless that token
 ends the request, its blocks stay held under a lease and the reply carries a KV handle
 naming the lease. The decode worker that pulls the blocks releases the lease, and trusts
-its pull only if the release finds the lease still held. In the handshake it proves that
-it holds the cluster token, when one is set."""
+its pull only if the release finds the lease still held. Every release here (ReleaseKv;
+AbortPrefill, the router's for an answer that never reached it; a call that ended
+cancelled) is `AsyncEngine.release_lease`, the lease table's one path
+(services/engine/leases.py; the whole life of a lease: docs/structures.md). In the
+handshake it proves that it holds the cluster token, when one is set."""
 
 from __future__ import annotations
 
@@ -11,26 +14,27 @@ import logging
 
 import grpc
 
-from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
-from kv_transfer import make_sender
-from services.engine.engine import LLMEngine
-from services.serving import tracing
-from services.serving.cluster import ClusterToken
-from services.serving.errors import Aborted, InvalidArgument
-from services.serving.security import Security
-from services.worker import spans
-from services.worker.async_engine import AsyncEngine
-from services.worker.config import WorkerConfig
-from services.worker.messages import (
+from baton.kv_transfer import make_sender
+from baton.services.common.finish import FinishReason
+from baton.services.engine.engine import LLMEngine
+from baton.services.rpc import tracing
+from baton.services.rpc.cluster import ClusterToken
+from baton.services.rpc.convert import sampling_params
+from baton.services.rpc.errors import Aborted, InvalidArgument
+from baton.services.rpc.security import Security
+from baton.services.worker import spans
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.config import WorkerConfig
+from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
     layout_message,
-    sampling_params,
 )
-from services.worker.metrics import WorkerMetrics
-from services.worker.runtime import make_engine, run_worker
+from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.runtime import make_engine, run_worker
+from baton.v1 import generation_pb2 as gen
+from baton.v1 import worker_pb2 as wk
+from baton.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         out = None
         async for o in self.aengine.generate(rid, add):
             out = o
-        if out is None or out.error or out.finish_reason == "abort":
+        if out is None or out.error or out.finish_reason == FinishReason.ABORT:
             raise Aborted(out.error if out is not None and out.error else "aborted")
         self.metrics.observe(out)
         spans.prompt(out, tracing.extract(context.invocation_metadata()))
@@ -78,8 +82,12 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                 engine_id=self.engine_id, request_id=rid, lease_id=out.kv_lease_id,
                 block_ids=out.kv_block_ids, num_tokens=len(out.prompt_token_ids),
                 fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
-            if context.cancelled():  # nobody will come for these blocks
-                self.aengine.release_lease(rid, out.kv_lease_id)
+            # A call that ends cancelled (the caller left, or its deadline passed) handed
+            # the lease to nobody. An answer that went out but never arrived is the
+            # router's to end (AbortPrefill).
+            lease = out.kv_lease_id
+            context.add_done_callback(
+                lambda ctx: ctx.cancelled() and self.aengine.release_lease(rid, lease))
         return reply
 
     async def ReleaseKv(self, request, context):
@@ -89,6 +97,13 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                                   "handle's)")
         released = self.aengine.release_lease(request.request_id, request.lease_id)
         return wk.ReleaseKvResponse(released=released)
+
+    async def AbortPrefill(self, request, context):
+        # The router's: a Prefill call of its ended without the answer reaching it.
+        if not request.request_id:
+            raise InvalidArgument("request_id: required")
+        return wk.AbortPrefillResponse(
+            released=self.aengine.release_lease(request.request_id, None))
 
     async def Handshake(self, request, context):
         self.layout.check_compatible(layout_from_message(request.layout))

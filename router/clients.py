@@ -16,11 +16,12 @@ from contextlib import aclosing, contextmanager
 
 import grpc
 
+from baton.services.common.capacity import AtCapacity
+from baton.services.rpc.errors import BY_CODE, ServiceError, retry_after_s
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import CHANNEL_OPTIONS, status_of
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.serving.errors import BY_CODE, ServiceError, retry_after_s
-from services.serving.security import Security
-from services.serving.server import CHANNEL_OPTIONS, status_of
 
 # What a worker that failed (died, froze, or whose engine failed) looks like: the request
 # goes to another worker. A deliberate refusal (ABORTED, INVALID_ARGUMENT, ...) does not.
@@ -127,6 +128,11 @@ class GrpcWorkerClient:
             wk.ReleaseKvRequest(request_id=request_id, lease_id=lease_id), timeout=10))
         return reply.released
 
+    async def abort_prefill(self, request_id: str, timeout: float) -> bool:
+        reply = await self._unary(lambda: wk_grpc.PrefillServiceStub(self.channel).AbortPrefill(
+            wk.AbortPrefillRequest(request_id=request_id), timeout=timeout))
+        return reply.released
+
     async def stats(self, timeout: float) -> wk.GetStatsResponse:
         return await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).GetStats(
             wk.GetStatsRequest(), timeout=timeout))
@@ -191,7 +197,7 @@ class LocalWorkerClient:
                     yield msg
         except TimeoutError:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        except (ServiceError, ValueError, TypeError) as e:
+        except (ServiceError, AtCapacity, ValueError, TypeError) as e:
             raise self._error(e) from None
 
     async def stats(self, timeout: float) -> wk.GetStatsResponse:
@@ -201,6 +207,9 @@ class LocalWorkerClient:
         raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")
 
     async def release(self, request_id: str, lease_id: int) -> bool:
+        return False
+
+    async def abort_prefill(self, request_id: str, timeout: float) -> bool:
         return False
 
     async def kv_events(self, engine_id: str, after: int, timeout: float):

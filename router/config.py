@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.discovery import Target
-from router.policy import Policy
-from services.serving.config import ServiceConfig
-from services.serving.limits import Limits
+from baton.router.discovery import Target
+from baton.router.policy import Policy
+from baton.services.common.limits import Limits
+from baton.services.rpc.config import ServiceConfig
 
 
 @dataclass(frozen=True)

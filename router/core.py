@@ -31,21 +31,21 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from baton.router.clients import WorkerError
+from baton.router.intake import Intake, Job
+from baton.router.kv_index import PromptBlocks
+from baton.router.lease import PrefillLease
+from baton.router.metrics import RouterMetrics
+from baton.router.registry import Registry
+from baton.services.common.finish import FinishReason
+from baton.services.rpc import tracing
+from baton.services.rpc.convert import finish_reason_of
+from baton.services.rpc.errors import Overloaded, Unavailable
+from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
-from router.clients import WorkerError
-from router.intake import Intake, Job
-from router.kv_index import PromptBlocks
-from router.lease import PrefillLease
-from router.metrics import RouterMetrics
-from router.registry import Registry
-from services.serving import tracing
-from services.serving.convert import FINISH_NAME
-from services.serving.errors import Overloaded, Unavailable
-from services.serving.server import status_of
 
 log = logging.getLogger(__name__)
-FINISHED = ("stop", "length", "abort", "constraint")
 
 
 @dataclass
@@ -228,7 +228,7 @@ class Router:
                     if reply.timings.kv_transfer_s:
                         m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
                     if reply.delta.finish_reason:
-                        outcome = FINISH_NAME.get(reply.delta.finish_reason) or "abort"
+                        outcome = finish_reason_of(reply.delta.finish_reason)
                     yield reply
         except Exception as e:
             outcome = status_of(e)[0].name
@@ -236,7 +236,7 @@ class Router:
             raise
         finally:
             admission.release()
-            if outcome in FINISHED:
+            if isinstance(outcome, FinishReason):
                 m.labels(m.success, finished_reason=outcome).inc()
                 m.labels(m.e2e).observe(time.monotonic() - t0)
                 m.labels(m.generation_tokens).observe(generated)
@@ -296,7 +296,7 @@ class Router:
                                                     metadata=tracing.inject(call_ctx))
             except WorkerError as e:
                 span.set_status(trace.StatusCode.ERROR, e.details)
-                lease.give_up()
+                lease.lost(e.code)
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     overloaded = e  # another prefill worker may have room
                 # ABORTED here is the prefill engine failing: no side effects, go on.
@@ -307,7 +307,7 @@ class Router:
                 m.labels(m.retries).inc()
                 continue
             except BaseException:  # the client left while it prefilled
-                lease.give_up()
+                lease.lost(None)
                 raise
             finally:
                 span.end()

@@ -6,6 +6,10 @@ anything is done per item. Text and chat content are also bounded by the model (
 tokenizer packs more than MAX_CHARS_PER_TOKEN characters into a token, so more than that
 many per token of max_model_len cannot fit), and the tokenizer runs on a worker thread:
 a multi-megabyte prompt never stalls the event loop that streams every other request.
+
+The sampling values are checked by the engine's own rules: `convert.sampling_params`, the
+router's one conversion of the wire's SamplingParams; the message itself goes on to the
+workers as it came.
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from baton.services.common.limits import Limits
+from baton.services.common.tokenizer import Tokenizer
+from baton.services.rpc.convert import chat_messages, sampling_params
+from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
-from services.serving.convert import chat_messages, sampling_kwargs
-from services.serving.errors import InvalidArgument
-from services.serving.limits import Limits
-from services.serving.sampling_params import SamplingParams
-from services.serving.tokenizer import Tokenizer
 
 MAX_CHARS_PER_TOKEN = 64
 DEFAULT_MAX_MODEL_LEN = 32768  # the bound before any worker has said its own
@@ -38,10 +41,14 @@ class Job:
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None):
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None,
+                 parse_threads: int = 2):
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        # Requests are counted and parsed (gRPC bytes, HTTP bodies) on threads of their
+        # own: a few giant bodies delay other parses, never another request's tokenizing.
+        self.parse_pool = ThreadPoolExecutor(parse_threads, thread_name_prefix="parse")
 
     async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
         """Validate `request` against the model (`info`, when a worker has said it)."""
@@ -53,7 +60,7 @@ class Intake:
         check("max_stop_chars", max(map(len, s.stop), default=0), "sampling.stop")
         check("max_stop_token_ids", len(s.stop_token_ids), "sampling.stop_token_ids")
         try:  # the engine's own rules, before any worker sees the request
-            SamplingParams(**sampling_kwargs(request.sampling))
+            sampling_params(s)
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"sampling: {e}") from None
         ids = await self.prompt_ids(request, info)
@@ -92,11 +99,16 @@ class Intake:
         raise InvalidArgument("prompt: the request has none (send text, token_ids or chat)")
 
     async def run(self, fn, *args):
-        """fn(*args) on the intake's threads, off the event loop."""
+        """fn(*args) on the tokenizer's threads, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def parse(self, fn, *args):
+        """fn(*args) on the parse threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def check_chat(chat: gen.ChatMessages, max_chars: int, limits: Limits

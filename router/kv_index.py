@@ -1,6 +1,6 @@
 """What the router knows of each worker's prefix cache, and what a prompt would find there.
 
-Each worker's index is fed by its KV events (services/serving/kv_events.py): block hashes
+Each worker's index is fed by its KV events (services/common/kv_events.py): block hashes
 it stored or evicted, the same chained hashes its engine computes (block_hash.py), so a
 prompt's hashes computed here name the same blocks. Between two polls the router also
 *predicts*: a prompt it sends to a worker will be stored there, so the next request of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from services.serving.block_hash import extend_hashes
+from baton.services.common.block_hash import extend_hashes
 
 DEFAULT_MAX_BLOCKS = 1 << 20  # per worker: about 120 MB at most (~117 bytes an entry)
 PREDICT_TTL_S = 10.0

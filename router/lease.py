@@ -2,19 +2,21 @@
 
 A prefill worker holds a request's KV under a lease until somebody releases it. Once a
 decode worker has answered with the handle, the lease is that worker's business: it
-pulls, confirms the lease and releases it itself (or, on failure, the lease expires).
-Until then the router owns it. So the router releases it, naming the lease the handle
-gave, on every way out that leaves the handle with nobody:
+releases it once, whatever happens (decode_worker/peers.py), or, if it dies, the lease
+expires. Until then the router owns it. So the router releases it, naming the lease the
+handle gave, on every way out that leaves the handle with nobody (the whole life of a
+lease: docs/structures.md):
 
     the client left or its deadline passed before a decode worker answered
     no decode worker could take the request (or none can pull from that prefill engine:
       the request then recomputes elsewhere, `give_up`)
 
-A Prefill call that failed or was cancelled leaves no handle, and no release: a worker
-takes a release only for the lease a handle names (none "by request id", which would let
-a caller end leases it never saw). The prefill worker cleans up itself: a call cancelled
-(or past its deadline) before it answered aborts the request there, lease and all; and
-if the answer was lost on the way, the lease expires (--kv-lease-timeout).
+A Prefill call that ended without its answer in the router's hands (its deadline passed,
+the client left, it failed) may still have granted a lease: the worker finished just as
+the call ended, and its answer never arrived. Nobody else can know, so the router asks the
+worker to end whatever lease the request holds (AbortPrefill, `lost`), unless the worker
+refused the request before taking it (RESOURCE_EXHAUSTED). ReleaseKv takes only the lease
+a handle names; AbortPrefill, by request id, only a cluster member may call.
 
 A decode worker that fails before answering leaves the handle to the next one (the
 lease check makes a second pull safe even if the first had started).
@@ -24,28 +26,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 
+import grpc
+
+from baton.router.clients import WorkerError
 from baton.v1 import worker_pb2 as wk
-from router.clients import WorkerError
 
 log = logging.getLogger(__name__)
 
 _PENDING: set[asyncio.Task] = set()  # keeps fire-and-forget releases alive until done
+ABORT_TIMEOUT_S = 2.0  # an AbortPrefill; one that fails leaves the lease to expire
+
+
+def _soon(what: str, client, request_id: str, call: Coroutine) -> None:
+    """A release in the background: idempotent on the worker; a failure leaves the lease
+    to expire there."""
+
+    async def run():
+        try:
+            await call
+        except WorkerError as e:
+            log.warning("%s of %s on %s failed: %s", what, request_id, client.address, e)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _PENDING.add(task)
+    task.add_done_callback(_PENDING.discard)
 
 
 def release_soon(client, request_id: str, lease_id: int) -> None:
-    """Release in the background: idempotent on the worker; a failure leaves the lease to
-    expire there."""
+    _soon("release", client, request_id, client.release(request_id, lease_id))
 
-    async def release():
-        try:
-            await client.release(request_id, lease_id)
-        except WorkerError as e:
-            log.warning("release of %s on %s failed: %s", request_id, client.address, e)
 
-    task = asyncio.get_running_loop().create_task(release())
-    _PENDING.add(task)
-    task.add_done_callback(_PENDING.discard)
+def abort_soon(client, request_id: str) -> None:
+    _soon("abort", client, request_id, client.abort_prefill(request_id, ABORT_TIMEOUT_S))
 
 
 class PrefillLease:
@@ -76,6 +90,13 @@ class PrefillLease:
 
     def taken_over(self) -> None:
         """A decode worker answered with the handle: the lease is its business now."""
+        self.handle = None
+
+    def lost(self, code: grpc.StatusCode | None) -> None:
+        """The Prefill call ended without its answer in our hands: `code` its status, None
+        if the router left it (the client left)."""
+        if self.worker is not None and code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            abort_soon(self.worker.client, self.request_id)
         self.handle = None
 
     def give_up(self) -> None:

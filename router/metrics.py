@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.serving.metrics import (
+from baton.services.rpc.metrics import (
     ITL_BUCKETS,
     LATENCY_BUCKETS,
     TOKEN_BUCKETS,

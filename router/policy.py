@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.kv_index import PromptBlocks
+from baton.router.kv_index import PromptBlocks
 
 
 @dataclass(frozen=True)

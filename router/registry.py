@@ -36,12 +36,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from baton.router.clients import WorkerError
+from baton.router.config import RouterConfig
+from baton.router.discovery import Target, resolve
+from baton.router.kv_index import PrefixIndex, PromptBlocks
+from baton.router.policy import Policy
 from baton.v1 import worker_pb2 as wk
-from router.clients import WorkerError
-from router.config import RouterConfig
-from router.discovery import Target, resolve
-from router.kv_index import PrefixIndex, PromptBlocks
-from router.policy import Policy
 
 log = logging.getLogger(__name__)
 

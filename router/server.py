@@ -9,20 +9,20 @@ from contextlib import aclosing
 
 import grpc
 
+from baton.router import wire
+from baton.router.clients import GrpcWorkerClient
+from baton.router.config import RouterConfig
+from baton.router.core import Caller, Router
+from baton.router.intake import Intake
+from baton.router.metrics import RouterMetrics
+from baton.router.registry import Registry, Worker
+from baton.services.common.tokenizer import Tokenizer
+from baton.services.rpc import tracing
+from baton.services.rpc.metrics import serve_metrics
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from router import wire
-from router.clients import GrpcWorkerClient
-from router.config import RouterConfig
-from router.core import Caller, Router
-from router.intake import Intake
-from router.metrics import RouterMetrics
-from router.registry import Registry, Worker
-from services.serving import tracing
-from services.serving.metrics import serve_metrics
-from services.serving.security import Security
-from services.serving.server import Lifecycle, method_name, run_server, service_name
-from services.serving.tokenizer import Tokenizer
 
 GENERATION_METHODS = tuple(method_name(gen, "Generation", m)
                            for m in ("Generate", "Tokenize", "GetModelInfo"))
@@ -55,9 +55,10 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     """The router over the given worker clients, and those its registry finds at
     `targets` (clients from `make_client(address)`); the registry tells `lifecycle` when
     it can serve (NOT_SERVING until then), and its interceptor the size limits that
-    Generate and Tokenize requests are counted against before protobuf parses them."""
-    from services.serving.default_model import default_model_path
-    from services.serving.model_source import resolve_tokenizer
+    Generate and Tokenize requests are counted against before protobuf parses them, both
+    on the intake's parse threads (the event loop never parses a request)."""
+    from baton.services.common.default_model import default_model_path
+    from baton.services.common.model_source import resolve_tokenizer
 
     registry = Registry([Worker(c.address, "prefill", c) for c in prefill],
                         [Worker(c.address, "decode", c) for c in decode],
@@ -73,6 +74,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     lifecycle.request_checks.update({
         method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
+    lifecycle.parse_pool = intake.parse_pool
     return Router(registry, intake, config.max_inflight, config.request_timeout,
                   RouterMetrics(config.served_model_name or ""), config.served_model_name,
                   config.shared_prefix_cache)
@@ -86,7 +88,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
     security = Security.of(config)
     if config.http_port:
         try:
-            from router.openai.server import HttpServer
+            from baton.router.openai.server import HttpServer
         except ImportError as e:  # a router installed without the extra
             raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
                              f"{config.http_port}) needs `pip install baton[http]` "

@@ -1,22 +1,33 @@
 """A Generate or Tokenize request counted on its wire bytes, before protobuf parses it.
 
-Parsing builds an object per chat message and stop string, on the event loop that
-serves every other call: a million empty messages (7.6 MB) take protobuf a quarter of a
-second. These counts walk only the fields that repeat, one field at a time, and stop one
-past the limit, so a giant request is refused for the price of its first few thousand
-fields; long strings are measured on their bytes, never turned into Python strings.
-(Malformed bytes end the walk quietly: protobuf then refuses them itself.)
+Parsing builds an object per chat message, stop string, token id and choice: a million
+empty messages (2 MB) take protobuf a quarter of a second. The router's interceptor runs
+these checks, then the parse, on the intake's parse threads once the call is authorized
+(services/rpc/server.py), never on the event loop. They walk every field of each
+message that holds a repeated field (the request, its chat, its token ids, its sampling,
+its structured output and its choices), one field at a time, and stop one past the limit,
+so a giant request is refused for the price of its first few thousand fields; long
+strings are measured on their bytes, never turned into Python strings.
+
+What the walk cannot skip is refused ("request: ..."), never passed on: a group (wire
+types 3 and 4: protobuf keeps an unknown one, and the walk would lose its place in the
+fields after it), wire types 6 and 7, field number 0, a varint or a field that runs past
+the end of its message. No well-formed request holds any of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from baton.services.common import constraint_limits
+from baton.services.common.limits import Limits, OverLimit
+from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
-from services.serving.errors import InvalidArgument
-from services.serving.limits import Limits
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
+# Fields not counted against a limit of their own, in one request: far more than any
+# request within the limits holds (each singular field once, a few split messages).
+OTHER_FIELDS = 4096
 _LOW = bytes(range(128))  # a varint's last byte is one of these
 _NOT_CONTINUATION = bytes(range(0x80)) + bytes(range(0xC0, 0x100))  # UTF-8: a character
 
@@ -26,28 +37,40 @@ def _number(message, name: str) -> int:
 
 
 CHAT, MESSAGES = _number(gen.GenerateRequest, "chat"), _number(gen.ChatMessages, "messages")
-TOKEN_IDS = _number(gen.GenerateRequest, "token_ids")
+TOKEN_IDS, IDS = _number(gen.GenerateRequest, "token_ids"), _number(gen.TokenIds, "ids")
 SAMPLING = _number(gen.GenerateRequest, "sampling")
 STOP = _number(gen.SamplingParams, "stop")
 STOP_TOKEN_IDS = _number(gen.SamplingParams, "stop_token_ids")
+STRUCTURED = _number(gen.SamplingParams, "structured_output")
+CHOICE, CHOICES = _number(gen.StructuredOutput, "choice"), _number(gen.Choices, "choices")
+CONSTRAINT_STRINGS = {_number(gen.StructuredOutput, name): name
+                      for name in ("json_schema", "regex", "grammar")}
 TOKENIZE_CHAT = _number(gen.TokenizeRequest, "chat")
 # The strings whose length is bounded: field number -> (limit, field).
 GENERATE_STRINGS = {_number(gen.GenerateRequest, name): (limit, name) for name, limit in (
     ("text", "max_prompt_chars"), ("cache_salt", "max_cache_salt_chars"),
     ("request_id", "max_request_id_chars"))}
 TOKENIZE_STRINGS = {_number(gen.TokenizeRequest, "text"): ("max_prompt_chars", "text")}
+STRUCTURED_FIELD = "sampling.structured_output"
 
 
-def _varint(raw: bytes, i: int) -> tuple[int | None, int]:
+def _refuse(why: str, at: int) -> InvalidArgument:
+    return InvalidArgument(f"request: {why} (at byte {at}); not a protobuf message the "
+                           "router takes")
+
+
+def _varint(raw: bytes, i: int, end: int) -> tuple[int, int]:
+    """The varint at raw[i:] and where it ends; refused if it runs past `end`."""
     value = shift = 0
-    while i < len(raw) and shift < 64:
+    at = i
+    while i < end and shift < 70:
         b = raw[i]
         i += 1
         value |= (b & 0x7F) << shift
         if b < 0x80:
             return value, i
         shift += 7
-    return None, i
+    raise _refuse("a varint over 10 bytes, or past the end of its message", at)
 
 
 def _chars(raw: bytes, start: int, end: int) -> int:
@@ -65,32 +88,38 @@ def _varints(raw: bytes, start: int, end: int) -> int:
 class _Walk:
     def __init__(self, raw: bytes, limits: Limits):
         self.raw, self.limits = raw, limits
-        self.fields_left = limits.max_messages + limits.max_stop + limits.max_stop_token_ids \
-            + 1024  # more than any request within the limits holds
+        self.other_left = OTHER_FIELDS
         self.counts: dict[str, int] = {}
 
-    def fields(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-        """(number, wire type, value start, value end) of each field in raw[start:end]."""
+    def fields(self, start: int, end: int, counted: frozenset = frozenset()
+               ) -> Iterator[tuple[int, int, int, int]]:
+        """(number, wire type, value start, value end) of each field in raw[start:end].
+        Each costs one of OTHER_FIELDS, but for the (number, wire type) pairs in `counted`:
+        each of those is one item that the caller counts against a limit of its own."""
         raw, i = self.raw, start
         while i < end:
-            self.fields_left -= 1
-            if self.fields_left < 0:
-                raise InvalidArgument("request: more protobuf fields than a request within "
-                                      "the size limits holds")
-            key, i = _varint(raw, i)
-            if key is None:
-                return
-            kind, j = key & 7, None
+            at = i
+            key, i = _varint(raw, i, end)
+            number, kind = key >> 3, key & 7
             if kind == VARINT:
-                j = _varint(raw, i)[1]
+                j = _varint(raw, i, end)[1]
             elif kind == LEN:
-                length, i = _varint(raw, i)
-                j = None if length is None else i + length
+                length, i = _varint(raw, i, end)
+                j = i + length
             elif kind in (I64, I32):
                 j = i + (8 if kind == I64 else 4)
-            if j is None or j > end:
-                return
-            yield key >> 3, kind, i, j
+            else:
+                raise _refuse(f"wire type {kind} (a group, or not protobuf)", at)
+            if number == 0:
+                raise _refuse("field number 0", at)
+            if j > end:
+                raise _refuse(f"field {number} runs past the end of its message", at)
+            if (number, kind) not in counted:
+                self.other_left -= 1
+                if self.other_left < 0:
+                    raise InvalidArgument("request: more protobuf fields than a request "
+                                          "within the size limits holds")
+            yield number, kind, i, j
             i = j
 
     def add(self, where: str, limit: str, count: int) -> None:
@@ -102,22 +131,67 @@ class _Walk:
             self.limits.check(limit, _chars(self.raw, start, end), where)
 
     def chat(self, start: int, end: int) -> None:
-        for number, _, _, _ in self.fields(start, end):
+        for number, _, _, _ in self.fields(start, end, frozenset({(MESSAGES, LEN)})):
             if number == MESSAGES:
                 self.add("chat.messages", "max_messages", 1)
 
+    def token_ids(self, start: int, end: int) -> None:
+        for number, kind, a, b in self.fields(start, end, frozenset({(IDS, VARINT)})):
+            if number == IDS:  # packed (counted as bytes, never one id at a time) or not
+                self.add("token_ids", "max_prompt_token_ids",
+                         _varints(self.raw, a, b) if kind == LEN else 1)
+
     def sampling(self, start: int, end: int) -> None:
-        for number, kind, a, b in self.fields(start, end):
-            if number == STOP:
+        counted = frozenset({(STOP, LEN), (STOP_TOKEN_IDS, VARINT)})
+        for number, kind, a, b in self.fields(start, end, counted):
+            if number == STOP and kind == LEN:
                 self.add("sampling.stop", "max_stop", 1)
+                self.string(a, b, "max_stop_chars", "sampling.stop")
             elif number == STOP_TOKEN_IDS:
                 self.add("sampling.stop_token_ids", "max_stop_token_ids",
                          _varints(self.raw, a, b) if kind == LEN else 1)
+            elif number == STRUCTURED and kind == LEN:
+                self.structured(a, b)
+
+    def structured(self, start: int, end: int) -> None:
+        """The engine's fixed bounds on a constraint (constraint_limits.py)."""
+        for number, kind, a, b in self.fields(start, end):
+            if kind != LEN:
+                continue
+            if number in CONSTRAINT_STRINGS:
+                where = f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}"
+                self.bound(where, self.constraint_chars(a, b), "characters")
+            elif number == CHOICE:
+                self.choices(a, b)
+
+    def choices(self, start: int, end: int) -> None:
+        where = f"{STRUCTURED_FIELD}.choice"
+        for number, kind, a, b in self.fields(start, end, frozenset({(CHOICES, LEN)})):
+            if number == CHOICES and kind == LEN:
+                self.counts[where] = self.counts.get(where, 0) + 1
+                self.bound(where, self.counts[where], "choices",
+                           constraint_limits.MAX_CHOICES)
+                chars = self.counts.get(where + " chars", 0) + _chars(self.raw, a, b)
+                self.counts[where + " chars"] = chars
+                self.bound(where, chars, "characters")
+
+    def constraint_chars(self, start: int, end: int) -> int:
+        """The characters of a constraint's text, counted only when it might be too long."""
+        if end - start <= constraint_limits.MAX_CONSTRAINT_CHARS:
+            return end - start  # no more characters than bytes: within the bound anyway
+        return _chars(self.raw, start, end)
+
+    @staticmethod
+    def bound(where: str, got: int, unit: str,
+              bound: int = constraint_limits.MAX_CONSTRAINT_CHARS) -> None:
+        if got > bound:
+            raise OverLimit(f"{where}: more than the limit of {bound} {unit}")
 
 
 def check_generate(limits: Limits) -> Callable[[bytes], None]:
-    """The raw check of Generate: chat messages, token ids, stop strings, stop ids, the
-    lengths of text, cache_salt and request_id."""
+    """The raw check of Generate: chat messages, token ids, stop strings and their
+    lengths, stop ids, the lengths of text, cache_salt and request_id, and the
+    structured-output constraint's choices and size."""
     def check(raw: bytes) -> None:
         walk = _Walk(raw, limits)
         for number, kind, a, b in walk.fields(0, len(raw)):
@@ -127,8 +201,8 @@ def check_generate(limits: Limits) -> Callable[[bytes], None]:
                 walk.string(a, b, *GENERATE_STRINGS[number])
             elif number == CHAT:
                 walk.chat(a, b)
-            elif number == TOKEN_IDS:  # counted as bytes: never walked one id at a time
-                walk.add("token_ids", "max_prompt_token_ids", _varints(raw, a, b))
+            elif number == TOKEN_IDS:
+                walk.token_ids(a, b)
             elif number == SAMPLING:
                 walk.sampling(a, b)
 

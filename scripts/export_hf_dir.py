@@ -10,9 +10,9 @@ import argparse
 
 import torch
 
-from services.bench.offline import build_hf_model
-from services.engine.loader import resolve_model_path
-from services.engine.tokenizer import load_tokenizer
+from baton.services.common.tokenizer import load_tokenizer
+from baton.services.engine.loader import resolve_model_path
+from baton.tools.bench.offline import build_hf_model
 
 
 def main() -> None:

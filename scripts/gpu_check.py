@@ -4,6 +4,7 @@ docs/benchmarks.md. Run it through scripts/gpu_check.sh.
 
     python scripts/gpu_check.py            # on a CUDA machine
     python scripts/gpu_check.py --smoke    # tiny sizes on CPU: checks the script runs
+    python scripts/gpu_check.py --smoke --tiny   # the same, on a model of a few MB
 
 Models need no download. The default model is used when its GGUF is in the cache (and
 gguf imports); otherwise a random-weight model of its shapes stands in, and the report
@@ -25,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from kernels import reference
-from services.bench.offline import run_baton, run_hf
-from services.bench.workloads import make_workload
-from services.engine import LLM, SamplingParams
-from services.serving.default_model import default_model_path
+from baton import kernels
+from baton.kernels import reference
+from baton.services.common.default_model import default_model_path
+from baton.services.engine import LLM, SamplingParams
+from baton.tools.bench.offline import run_baton, run_hf
+from baton.tools.bench.workloads import make_workload
 from tests.kernel_batch import make_batch
 
 SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -93,7 +94,7 @@ def llama_dir(path: Path, shapes: dict, with_weights: bool, init_std: float = 0.
 def default_model(tmp: Path, shapes: dict, smoke: bool):
     """(model path, label, HF fp32 model). The real default model when its GGUF is cached
     (and not a smoke run), else random weights of the given shapes."""
-    from services.bench.offline import build_hf_model
+    from baton.tools.bench.offline import build_hf_model
 
     gguf = default_model_path()
     try:
@@ -108,7 +109,8 @@ def default_model(tmp: Path, shapes: dict, smoke: bool):
         return str(gguf), "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", hf
     # Wider init than training's 0.02, so greedy choices are not near-ties.
     hf = llama_dir(tmp / "smollm2-random", shapes, with_weights=True, init_std=0.1)
-    return str(tmp / "smollm2-random"), "random weights, SmolLM2-135M shapes", hf
+    shapes_of = "SmolLM2-135M" if shapes["hidden_size"] == 576 else "tiny"
+    return str(tmp / "smollm2-random"), f"random weights, {shapes_of} shapes", hf
 
 
 # ---- sections ------------------------------------------------------------------------
@@ -118,13 +120,13 @@ def kernel_errors(device: str, smoke: bool) -> None:
     """Max |error| of each backend's attention and cache write against the reference."""
     backends = {"torch": kernels.torch_attn}
     try:
-        from kernels import triton_attn
+        from baton.kernels import triton_attn
 
         backends["triton"] = triton_attn
     except ImportError as e:
         print(f"triton: does not import ({e})")
     try:
-        from kernels import flash
+        from baton.kernels import flash
 
         backends["flash-attn"] = flash
     except ImportError as e:
@@ -305,8 +307,13 @@ def w1_throughput(model: str, label: str, smoke: bool, load_format: str = "auto"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; CPU is fine")
+    ap.add_argument("--tiny", action="store_true",
+                    help="with --smoke: the default model's stand-in at hidden 128 and "
+                         "vocab 4096, not SmolLM2's widths")
     args = ap.parse_args()
     smoke = args.smoke
+    if args.tiny and not smoke:
+        raise SystemExit("--tiny is a size for --smoke")
     logging.basicConfig(level=logging.WARNING)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not smoke:
@@ -316,11 +323,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
     with tempfile.TemporaryDirectory(prefix="baton-gpu-check-") as tmp:
-        run_sections(Path(tmp), smoke, device)
+        run_sections(Path(tmp), smoke, device, args.tiny)
 
 
-def run_sections(tmp: Path, smoke: bool, device: str) -> None:
+def run_sections(tmp: Path, smoke: bool, device: str, tiny: bool = False) -> None:
     small = dict(SMOLLM2_SHAPES, num_hidden_layers=2) if smoke else SMOLLM2_SHAPES
+    if tiny:
+        small.update(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=4096)
     big = dict(LLAMA_1B_SHAPES, num_hidden_layers=2, hidden_size=256,
                intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                head_dim=32, vocab_size=1000) if smoke else LLAMA_1B_SHAPES

@@ -1,12 +1,12 @@
-"""One benchmark workload through vLLM's CPU backend; `services/bench/vs_vllm.py` runs it
+"""One benchmark workload through vLLM's CPU backend; `tools/bench/vs_vllm.py` runs it
 beside Baton, alternating. Runs in vLLM's own venv (see `make vllm`), on an HF directory
 of the same weights (scripts/export_hf_dir.py):
 
-    VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=. VENV/bin/python scripts/vllm_bench.py HF_DIR w3
+    VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=.:protos VENV/bin/python scripts/vllm_bench.py HF_DIR w3
     ... HF_DIR w2 --no-prefix-caching
 
 Prints one JSON line: {"system": "vllm", "workload", "prefix_caching", "tok_s"}.
-services.bench.workloads needs only the standard library, so this venv imports it too.
+baton.tools.bench.workloads needs only the standard library, so this venv imports it too.
 The body sits under __main__: vLLM spawns processes.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from services.bench.workloads import make_workload
+from baton.tools.bench.workloads import make_workload
 
 
 def main() -> None:

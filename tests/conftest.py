@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -16,8 +17,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from services.engine import LLM
-from services.engine.default_model import ensure_default_model
+from baton.services.engine import LLM
+from baton.services.engine.default_model import ensure_default_model
 
 # Weak: an engine is checked while its fixture keeps it, and freed with it.
 _ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()
@@ -26,6 +27,18 @@ _ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()
 @pytest.fixture(scope="session")
 def model_path():
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model_path) -> Path:
+    """An HF directory of the tiny serving model (tests/tiny_models.py serving_config)."""
+    from baton.services.common.tokenizer import load_tokenizer
+    from tests.tiny_models import build, serving_config
+
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    tokenizer = load_tokenizer(model_path)
+    build("llama", folder, tokenizer, cfg=serving_config(len(tokenizer)))
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +82,28 @@ def pool_invariant():
         assert not engine.has_unfinished_requests(), "a request outlived its test"
         assert not engine.scheduler.leases, "a KV lease outlived its test"
         engine.pool.check_all_free()
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two test processes on two cores: one torch thread each, so neither waits on
+        # the other's spinning threads (the service tests' workers run one thread too).
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Marks: `e2e` on everything under tests/e2e (services as processes). With xdist,
+    each module runs whole on one process (its module-scoped engines and topologies are
+    built once), the modules that share the session's topology run on one process, and
+    so do those that share transformers' reference model (`hf_model`, 40 s to build)."""
+    for item in items:
+        if "tests/e2e/" in item.nodeid:
+            item.add_marker(pytest.mark.e2e)
+    modules: dict[str, set[str]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], set()).update(item.fixturenames)
+    for item in items:
+        used = modules[item.nodeid.split("::")[0]]
+        group = ("topology" if "topology" in item.fixturenames
+                 else "hf_model" if "hf_model" in used else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from baton.kernels.metadata import AttentionMetadata
 
 
 def make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: int,

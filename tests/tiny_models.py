@@ -63,6 +63,18 @@ def family_configs(vocab_size: int) -> dict:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
+def serving_config(vocab_size: int):
+    """The tiny model the service tests run when what they check is the mechanics
+    (routing, transfer, failures), not the model: a plain Llama with the default model's
+    tokenizer and chat template, a long context, a few KB of KV per block, and a step
+    that costs milliseconds."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**dict(SHAPE, vocab_size=vocab_size, max_position_embeddings=4096),
+                       num_hidden_layers=2, head_dim=16, tie_word_embeddings=False,
+                       architectures=["LlamaForCausalLM"])
+
+
 def build(family: str, folder: Path, tokenizer, seed: int = 0, cfg=None):
     """Save a tiny `family` model (and `tokenizer`) in `folder`; return the HF model, in
     fp32 with eager attention (the reference). `cfg`: another config than the family's."""

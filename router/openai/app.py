@@ -21,17 +21,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.core import Caller, Router
-from router.openai import errors
-from router.openai.body import parse_body
-from router.openai.protocol import ChatRequest, CompletionRequest
-from router.openai.render import Choice, Renderer, error_body, event, param_of
-from router.openai.runs import Run
-from services.serving import tracing
-from services.serving.errors import InvalidArgument, ServiceError
-from services.serving.metrics import union
-from services.serving.security import Security
-from services.serving.server import Lifecycle, status_of
+from baton.router.core import Caller, Router
+from baton.router.openai import errors
+from baton.router.openai.body import parse_body
+from baton.router.openai.protocol import ChatRequest, CompletionRequest
+from baton.router.openai.render import Choice, Renderer, error_body, event, param_of
+from baton.router.openai.runs import Run
+from baton.services.rpc import tracing
+from baton.services.rpc.errors import InvalidArgument, ServiceError
+from baton.services.rpc.metrics import union
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, status_of
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 KEY_ID = "baton.key_id"  # in the ASGI scope: the caller's API key as security.key_id
@@ -90,7 +90,7 @@ class Guard:
                                   "bytes")[1]
                 return await JSONResponse(body, status_code=413)(scope, receive, send)
         # Replayed as it came, never joined here: a 31 MB body is joined (if at all) on
-        # the intake's threads, not on the event loop.
+        # the intake's parse threads, not on the event loop.
         replay = iter([{"type": "http.request", "body": chunk, "more_body": i < len(body) - 1}
                        for i, chunk in enumerate(body)])
 
@@ -155,9 +155,9 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
     async def complete(request: Request, kind: type[ChatRequest | CompletionRequest]):
         chat, intake = kind is ChatRequest, router.intake
         try:
-            # Counted, parsed and built on the intake's threads, never per item on the
-            # event loop (body.py).
-            body = await intake.run(parse_body, await _body(request), kind, intake.limits)
+            # Counted, parsed and built on the intake's parse threads (not the
+            # tokenizer's), never per item on the event loop (body.py).
+            body = await intake.parse(parse_body, await _body(request), kind, intake.limits)
             info = router.model_info()
             if body.model not in names():
                 status, err = error_body(grpc.StatusCode.NOT_FOUND,
@@ -168,7 +168,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             if count > router.max_inflight:
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
-            requests = await intake.run(body.requests, info.max_model_len)
+            requests = await intake.parse(body.requests, info.max_model_len)
             admission = router.admit(len(requests))  # all choices or none
         except ApiError:
             raise

@@ -1,37 +1,48 @@
 """An OpenAI request body, from bytes to its model, counted before anything is built per
-item. It runs on the intake's threads, and never holds the interpreter for long, so the
-event loop (health, every other stream) keeps answering:
+item. It runs on the intake's parse threads (not the tokenizer's), and never holds the
+interpreter for long, so the event loop (health, every other stream) keeps answering:
 
     bytes ──> JSON      C's json when the body holds few brackets and commas; otherwise
                         a parse that counts as it goes and stops past the limits (a
                         million prompts or chat messages cost it the first few thousand)
           ──> counts    prompts, choices, messages, characters, token ids, stop strings,
-                        cache_salt, user: each over its limit is a 400 naming the field
+                        cache_salt, user, a constraint's choices (guided_choice,
+                        structured_outputs.choice) and JSON values: each over its limit
+                        is a 400 naming the field
           ──> model     pydantic, on a body now known to be small enough
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from json.decoder import JSONArray, JSONObject
 from json.scanner import py_make_scanner
 
 from pydantic import BaseModel, ValidationError
 
-from services.serving.errors import InvalidArgument
-from services.serving.limits import Limits
+from baton.router.openai.structured import GUIDED
+from baton.services.common import constraint_limits
+from baton.services.common.limits import Limits, OverLimit
+from baton.services.rpc.errors import InvalidArgument
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
-# The arrays a body may hold at its top level, and the limit each counts against.
-ARRAY_LIMITS = {"messages": "max_messages", "stop": "max_stop",
-                "stop_token_ids": "max_stop_token_ids", "prompt": "max_prompts"}
+CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
+# The arrays a body may hold that have a limit, by the keys down to them, and what each
+# counts against: a Limits field, or CHOICES.
+ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
+                ("stop_token_ids",): "max_stop_token_ids", ("prompt",): "max_prompts",
+                ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES}
+# The members that hold a structured-output constraint: a constraint's text is bounded
+# (MAX_CONSTRAINT_CHARS), and every JSON value in it takes at least one character of it.
+CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
 def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits
                ) -> BaseModel:
-    """The body (or its chunks) as `kind`, or InvalidArgument naming the first field over
-    a limit or malformed."""
+    """The body (or its chunks) as `kind`, or a ValueError naming the first field over a
+    limit (OverLimit) or malformed (InvalidArgument)."""
     data = load_json(raw if isinstance(raw, bytes) else b"".join(raw), limits)
     if not isinstance(data, dict):
         raise InvalidArgument("body: must be a JSON object")
@@ -63,6 +74,8 @@ def load_json(raw: bytes, limits: Limits):
         return _CountingDecoder(limits, *budgets(limits)).decode(raw.decode("utf-8"))
     except RecursionError:
         raise InvalidArgument("body: JSON nested too deeply") from None
+    except OverLimit:
+        raise
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidArgument(f"body: not valid JSON ({e})") from None
 
@@ -77,30 +90,47 @@ def _count(raw: bytes, chars: tuple[bytes, ...], bound: int) -> int:
     return n
 
 
-def _key_before(s: str, idx: int) -> str:
-    """The key of the object member whose value starts at `idx` ("key": value)."""
-    end = s.rfind('"', 0, s.rfind(":", 0, idx))
-    return s[s.rfind('"', 0, end) + 1:end]
+def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
+    """`limits.check`, or the engine's fixed bound on choices."""
+    if limit != CHOICES:
+        return limits.check(limit, got, where, more)
+    if got > constraint_limits.MAX_CHOICES:
+        what = "more than" if more else f"{got}, over"
+        raise OverLimit(f"{where}: {what} the limit of {constraint_limits.MAX_CHOICES} "
+                        "choices")
+
+
+class _Keys(dict):
+    """An object's memo for JSONObject, which hands it each key, decoded (escapes and
+    all), just before it parses that key's value: the last one is kept."""
+
+    last: str = ""
+
+    def setdefault(self, key, default=None):
+        self.last = key
+        return key
 
 
 class _CountingDecoder(json.JSONDecoder):
     """Python's own JSON scanner (strings still parsed in C) that counts as it goes and
-    stops at the first count over its bound: the items of each top-level array that has
-    a limit (ARRAY_LIMITS), chat messages (objects with a string "role"), and all the
-    objects, arrays and values together."""
+    stops at the first count over its bound: the items of each array that has a limit
+    (ARRAY_LIMITS, found by its decoded keys), chat messages (objects with a string
+    "role"), the values inside a constraint, and all the objects, arrays and values."""
 
     def __init__(self, limits: Limits, containers: int, values: int):
         super().__init__(object_pairs_hook=self._object)
         self.limits, self.containers_left, self.values_left = limits, containers, values
-        self.messages = self.depth = 0
-        self.key = ""  # the top-level member being parsed
+        self.constraint_values_left = constraint_limits.MAX_CONSTRAINT_CHARS
+        self.messages = 0
+        self.path: list[str | None] = []  # the keys down to the value being parsed
         self.parse_object, self.parse_array = self._parse_object, self._parse_array
         self.scan_once = py_make_scanner(self)
 
-    def _counted(self, scan_once, top: bool = False, key: str | None = None):
-        """`scan_once`, counting each value it parses (of an object's members when `top`,
-        of a top-level array named `key`)."""
-        items, limit = 0, ARRAY_LIMITS.get(key)
+    def _counted(self, scan_once, segment: Callable[[], str | None], limit: str | None):
+        """`scan_once` for a container's values, each counted (and, when the container
+        is an array with a `limit`, counted against it); `segment()` names the value
+        (its key, or None in an array) in `path` while it is parsed."""
+        items, where = 0, ".".join(self.path) if limit is not None else ""
 
         def scan(string, idx):
             nonlocal items, limit
@@ -108,14 +138,23 @@ class _CountingDecoder(json.JSONDecoder):
             if self.values_left < 0:
                 raise InvalidArgument("body: more JSON values than a request within the "
                                       "size limits holds")
-            if top:
-                self.key = _key_before(string, idx)
-            elif limit is not None:
-                if not items and key == "prompt" and string[idx] in "-0123456789":
+            if limit is not None:
+                if not items and where == "prompt" and string[idx] in "-0123456789":
                     limit = "max_prompt_token_ids"  # one prompt of token ids
                 items += 1
-                self.limits.check(limit, items, key, more=True)
-            return scan_once(string, idx)
+                _check(self.limits, limit, items, where, more=True)
+            self.path.append(segment())
+            try:
+                if self.path[0] in CONSTRAINT_KEYS:
+                    self.constraint_values_left -= 1
+                    if self.constraint_values_left < 0:
+                        raise OverLimit(f"{self.path[0]}: more JSON values than a "
+                                        "constraint within the limit of "
+                                        f"{constraint_limits.MAX_CONSTRAINT_CHARS} "
+                                        "characters holds")
+                return scan_once(string, idx)
+            finally:
+                self.path.pop()
 
         return scan
 
@@ -124,23 +163,17 @@ class _CountingDecoder(json.JSONDecoder):
         if self.containers_left < 0:
             raise InvalidArgument("body: more JSON objects and arrays than a request within "
                                   "the size limits holds")
-        self.depth += 1
 
     def _parse_object(self, s_and_end, strict, scan_once, object_hook, pairs_hook, memo):
         self._enter()
-        try:
-            return JSONObject(s_and_end, strict, self._counted(scan_once, self.depth == 1),
-                              object_hook, pairs_hook, memo)
-        finally:
-            self.depth -= 1
+        keys = _Keys()
+        return JSONObject(s_and_end, strict, self._counted(scan_once, lambda: keys.last, None),
+                          object_hook, pairs_hook, keys)
 
     def _parse_array(self, s_and_end, scan_once):
         self._enter()
-        try:
-            key = self.key if self.depth == 2 else None
-            return JSONArray(s_and_end, self._counted(scan_once, key=key))
-        finally:
-            self.depth -= 1
+        limit = ARRAY_LIMITS.get(tuple(self.path))
+        return JSONArray(s_and_end, self._counted(scan_once, lambda: None, limit))
 
     def _object(self, pairs: list) -> dict:
         out = dict(pairs)
@@ -183,6 +216,12 @@ def check_counts(data: dict, limits: Limits) -> None:
                         ("cache_salt", "max_cache_salt_chars"), ("user", "max_user_chars")):
         if isinstance(data.get(name), (list, str)):
             check(limit, len(data[name]), name)
+    outputs = data.get("structured_outputs")
+    for where, choices in (("guided_choice", data.get("guided_choice")),
+                           ("structured_outputs.choice",
+                            outputs.get("choice") if isinstance(outputs, dict) else None)):
+        if isinstance(choices, list):
+            _check(limits, CHOICES, len(choices), where)
 
 
 def _content_chars(message) -> int:

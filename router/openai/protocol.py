@@ -1,7 +1,9 @@
 """OpenAI's request bodies (chat and completions), with vLLM's extensions, and what each
 becomes: one GenerateRequest per choice. Fields the engine cannot honour are refused
 (400, naming them), never silently dropped. Structured output (response_format and
-vLLM's guided_* / structured_outputs) is read in structured.py."""
+vLLM's guided_* / structured_outputs) is read in structured.py. `Common.sampling` is this
+boundary's one conversion of sampling values (convert.sampling_message, straight to the
+wire's message)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.router.openai.structured import structured_output
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.rpc.convert import sampling_message
+from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
-from router.openai.structured import structured_output
-from services.serving.convert import sampling_message
-from services.serving.errors import InvalidArgument
-from services.serving.sampling_params import StructuredOutput
 
 
 class StreamOptions(BaseModel):

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.services.common.finish import FinishReason
+from baton.services.rpc.convert import finish_reason_of
 from baton.v1 import generation_pb2 as gen
-from services.serving.convert import FINISH_NAME
 
 # A status code as an HTTP status and OpenAI's error type.
 HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -38,12 +39,13 @@ def event(body: dict) -> str:
     return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
-def finish_of(reason: str | None, stop_reason: str | int | None
+def finish_of(reason: FinishReason | None, stop_reason: str | int | None
               ) -> tuple[str | None, str | int | None]:
-    """Baton's finish reason and stop reason as OpenAI's: "constraint" (the structured
-    output allows no further token) is an ordinary "stop" there, told by stop_reason."""
-    if reason == "constraint":
-        return "stop", "constraint"
+    """The one mapping of Baton's finish reason and stop reason to OpenAI's: CONSTRAINT
+    (the structured output allows no further token) is an ordinary "stop" there, told by
+    stop_reason; the others keep their names."""
+    if reason == FinishReason.CONSTRAINT:
+        return FinishReason.STOP, FinishReason.CONSTRAINT
     return reason, stop_reason
 
 
@@ -67,7 +69,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[gen.TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -78,7 +80,7 @@ class Choice:
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.finish_reason:
-            self.finish_reason = FINISH_NAME.get(d.finish_reason) or "abort"
+            self.finish_reason = finish_reason_of(d.finish_reason)
             which = d.WhichOneof("stop_reason")
             self.stop_reason = getattr(d, which) if which else None
         if reply.HasField("usage"):
@@ -156,7 +158,7 @@ class Renderer:
         body = self._head(chunk=True)
         choice = {"index": index, "logprobs": self.logprobs(list(d.logprobs),
                                                            list(d.token_ids), want_top),
-                  "finish_reason": finish_of(FINISH_NAME.get(d.finish_reason), None)[0]
+                  "finish_reason": finish_of(finish_reason_of(d.finish_reason), None)[0]
                   if d.finish_reason else None}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {

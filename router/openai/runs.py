@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
+from baton.router.core import Admission, Caller, Router
 from baton.v1 import generation_pb2 as gen
-from router.core import Admission, Caller, Router
 
 
 class Run:

@@ -8,11 +8,11 @@ import contextlib
 
 import uvicorn
 
-from router.config import RouterConfig
-from router.core import Router
-from router.openai.app import make_app
-from services.serving.security import Security
-from services.serving.server import Lifecycle
+from baton.router.config import RouterConfig
+from baton.router.core import Router
+from baton.router.openai.app import make_app
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
 
 
 class _Server(uvicorn.Server):

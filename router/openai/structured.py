@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from services.serving import constraint_limits
-from services.serving.errors import InvalidArgument
-from services.serving.sampling_params import StructuredOutput
+from baton.services.common import constraint_limits
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.rpc.errors import InvalidArgument
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}

@@ -1,7 +1,7 @@
 """The engine: block pool, KV-cache manager, scheduler, model runner, sampler, detokenizer.
 
-`from services.engine import LLM, SamplingParams` is the offline API. The names load on
-first use, so that `services.engine.config` (torch-free) imports without the engine.
+`from baton.services.engine import LLM, SamplingParams` is the offline API. The names load on
+first use, so that `baton.services.engine.config` (torch-free) imports without the engine.
 """
 
 from __future__ import annotations
@@ -11,23 +11,23 @@ __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from services.engine.llm import LLM
+        from baton.services.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from services.engine.engine import LLMEngine
+        from baton.services.engine.engine import LLMEngine
 
         return LLMEngine
     if name == "EngineConfig":
-        from services.engine.config import EngineConfig
+        from baton.services.engine.config import EngineConfig
 
         return EngineConfig
     if name == "RequestOutput":
-        from services.engine.outputs import RequestOutput
+        from baton.services.engine.outputs import RequestOutput
 
         return RequestOutput
     if name == "SamplingParams":
-        from services.serving.sampling_params import SamplingParams
+        from baton.services.common.sampling_params import SamplingParams
 
         return SamplingParams
-    raise AttributeError(f"module 'services.engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'baton.services.engine' has no attribute {name!r}")

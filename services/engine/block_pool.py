@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.serving.kv_events import KvEventLog
+from baton.services.common.kv_events import KvEventLog
 
 
 class KVCacheBlock:

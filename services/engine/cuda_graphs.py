@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from baton.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

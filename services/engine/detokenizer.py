@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from services.engine.stop_matcher import StopMatcher
+from baton.services.engine.stop_matcher import StopMatcher
 
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"

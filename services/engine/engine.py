@@ -17,24 +17,24 @@ import logging
 import time
 from collections.abc import Callable
 
-from kv_transfer.base import KVHandle, KVLayout, KVReceiver
-from services.engine.block_pool import BlockPool
-from services.engine.config import EngineConfig
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.generation_config import read_generation_config
-from services.engine.grammar_compiler import GrammarCompiler
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.loader import load_checkpoint, resolve_model_path
-from services.engine.model_runner import ModelRunner
-from services.engine.outputs import EngineStats, ModelInfo, RequestOutput
-from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler
-from services.engine.spec_decode import NgramProposer
-from services.engine.tokenizer import load_tokenizer
-from services.serving.kv_events import KvEventLog
-from services.serving.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
-from services.serving.model_source import model_commit, model_name, resolve_tokenizer
-from services.serving.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver
+from baton.services.common.kv_events import KvEventLog
+from baton.services.common.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
+from baton.services.common.model_source import model_commit, model_name, resolve_tokenizer
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.common.tokenizer import apply_chat_template, load_tokenizer
+from baton.services.engine.block_pool import BlockPool
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.detokenizer import IncrementalDetokenizer
+from baton.services.engine.generation_config import read_generation_config
+from baton.services.engine.grammar_compiler import GrammarCompiler
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.services.engine.model_runner import ModelRunner
+from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
+from baton.services.engine.request import Request, RequestStatus
+from baton.services.engine.scheduler import Scheduler
+from baton.services.engine.spec_decode import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +144,7 @@ class LLMEngine:
         """Decode role: continue a request whose prompt KV sits on another engine and whose
         first token was sampled there. Only blocks missing from our prefix cache are pulled;
         the request then decodes in the running batch."""
-        n = len(prompt_token_ids)
-        if handle.num_tokens != n:
-            raise ValueError(f"remote KV holds {handle.num_tokens} tokens, the prompt has {n}")
-        need = -(-n // self.config.block_size)
-        if len(handle.block_ids) != need:
-            raise ValueError(f"remote KV has {len(handle.block_ids)} blocks, {n} tokens need "
-                             f"{need}")
+        handle.check(self.kv_layout, len(prompt_token_ids))
         return self.resume_request(prompt_token_ids, [first_token], params, request_id,
                                    priority, cache_salt, handle, grammar)
 
@@ -233,10 +227,9 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, ending with the assistant turn."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        """Chat messages through the model's chat template, ending with the assistant turn
+        (services/common/tokenizer.py; ValueError if the template refuses them)."""
+        return apply_chat_template(self.tokenizer, messages)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; for a prefilled one, release its held blocks."""
@@ -262,12 +255,12 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # ---- leases (prefill role) ------------------------------------------------------
+    # ---- leases (prefill role): each ends on the lease table's one path (leases.py) --
 
     def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
         """Free the blocks held for a handed-off request: True iff that lease (any lease
         of the request, when `lease_id` is None) was still held."""
-        return self.scheduler.release_lease(request_id, lease_id)
+        return self.scheduler.leases.release(request_id, lease_id)
 
     def revoke_lease(self, request_id: str, lease_id: int | None = None) -> bool:
         """release_lease for any thread (the only engine call that is): the lease ends
@@ -279,7 +272,7 @@ class LLMEngine:
         return self.scheduler.leases.blocks(request_id, lease_id)
 
     def expire_leases(self) -> list[str]:
-        return self.scheduler.expire_leases(time.monotonic())
+        return self.scheduler.leases.expire(time.monotonic())
 
     def stats(self) -> EngineStats:
         s, loader = self.scheduler, self.scheduler.loader
@@ -374,7 +367,7 @@ class LLMEngine:
             text=detok.text,
             new_token_ids=new_ids,
             new_text=delta,
-            finish_reason=status.value if status.finished and not prefilled else None,
+            finish_reason=status.finish_reason,
             stop_reason=stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from services.serving.default_model import cache_dir
+from baton.services.common.default_model import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ engine thread, within a time limit.
                                    ran past the time limit
 
 At most `max_pending` distinct compiles are queued or running; past that, `submit` raises
-Overloaded (RESOURCE_EXHAUSTED with a retry hint). xgrammar cannot be interrupted: a
+AtCapacity (RESOURCE_EXHAUSTED with a retry hint). xgrammar cannot be interrupted: a
 compile past the time limit fails its requests at once, but keeps its thread until it
 returns and counts as pending until then. The bound is what protects the worker: at
 worst every compile thread is busy and `max_pending` compiles wait. The threads are
@@ -23,9 +23,9 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 
-from services.engine.structured_output import GrammarState
-from services.serving.errors import Overloaded
-from services.serving.sampling_params import StructuredOutput
+from baton.services.common.capacity import AtCapacity
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.engine.structured_output import GrammarState
 
 CACHE_SIZE = 64  # compiled grammars kept, least recently used first out
 
@@ -61,7 +61,7 @@ class GrammarCompiler:
 
     def submit(self, constraint: StructuredOutput) -> Future:
         """A future of the compiled grammar, the caller's own (cancelling it touches no
-        other caller). Overloaded if `max_pending` compiles are queued or running."""
+        other caller). AtCapacity if `max_pending` compiles are queued or running."""
         mine: Future = Future()
         key = constraint.key
         with self._lock:
@@ -73,7 +73,7 @@ class GrammarCompiler:
             job = self._pending.get(key)
             if job is None:
                 if len(self._pending) >= self.max_pending:
-                    raise Overloaded(f"structured output: {len(self._pending)} grammar "
+                    raise AtCapacity(f"structured output: {len(self._pending)} grammar "
                                      f"compiles queued or running (limit {self.max_pending})")
                 job = self._pending[key] = Future()
                 self._jobs.put((constraint, job))
@@ -88,7 +88,7 @@ class GrammarCompiler:
 
     def compile(self, constraint: StructuredOutput):
         """The compiled grammar, waiting for it (the offline API); ValueError naming the
-        problem if it cannot compile in time, Overloaded if the queue is full."""
+        problem if it cannot compile in time, AtCapacity if the queue is full."""
         return self.submit(constraint).result()
 
     def matcher(self, constraint: StructuredOutput, compiled=None) -> GrammarState:

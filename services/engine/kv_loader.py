@@ -34,10 +34,10 @@ import itertools
 import logging
 import time
 
-from kv_transfer.base import KVReceiver, TransferState
-from services.engine.block_pool import KVCacheBlock
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
+from baton.kv_transfer.base import KVReceiver, TransferState
+from baton.services.engine.block_pool import KVCacheBlock
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.request import Request
 
 log = logging.getLogger(__name__)
 

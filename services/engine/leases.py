@@ -1,4 +1,14 @@
 """Prefill role: the blocks of requests handed off to a decode worker, held under leases.
+The one path by which a lease ends on the prefill side, whoever asks:
+
+    grant ──> held ──> revoke (ends it, once) ──> collect (frees its blocks)
+                         ^ the first of:
+                         | ReleaseKv naming it: the decode worker's lease check or its
+                         |   release, or the router's (a handle nobody will pull)
+                         | the Prefill caller left before the answer reached it (the
+                         |   worker's own release: nobody will come for the blocks)
+                         | the engine's abort of the request (`lease_id` None), fail_all
+                         | expiry (--kv-lease-timeout): a decode worker that never came
 
 Contract:
 - `grant(request)` is called once, when the request ends with its first token (PREFILLED);
@@ -6,7 +16,8 @@ Contract:
 - A lease id is never granted twice (a counter per engine; a restarted engine has a new
   engine id). So "lease `lease_id` of `request_id` was still held when released" proves
   the blocks were held, untouched, from the grant until then: the decode worker's check
-  that the KV it pulled is that request's (kv_transfer/lease_check.py).
+  that the KV it pulled is that request's (kv_transfer/lease_check.py). It also makes a
+  second release harmless: it finds nothing held (False).
 - `revoke` is the one call any thread may make (a worker answers a lease check at once,
   without waiting for the engine's step to end). It ends the lease under a lock; the
   blocks stay allocated until the engine thread's next `collect`, so nothing can reuse
@@ -14,7 +25,7 @@ Contract:
   thread; `release` is `revoke` and `collect` in one.
 - `lease_id` None releases whatever lease the request holds: the engine's own abort of
   the request. No caller over the wire may (ReleaseKv needs the handle's lease id).
-- `expire(now)` ends every lease past its expiry: a decode worker that never came.
+- `expire(now)` revokes every lease past its expiry, then collects.
 """
 
 from __future__ import annotations
@@ -24,8 +35,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine, ReceiverFactory
-from services.engine.outputs import RequestOutput
-from services.serving.sampling_params import SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine import LLMEngine, ReceiverFactory
+from baton.services.engine.outputs import RequestOutput
 
 
 class LLM:

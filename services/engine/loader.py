@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.engine.gguf_cache import read_converted, write_through
-from services.engine.model_config import ModelConfig
-from services.serving.model_source import resolve_model
+from baton.services.common.model_source import resolve_model
+from baton.services.engine.gguf_cache import read_converted, write_through
+from baton.services.engine.model_config import ModelConfig
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,12 +45,12 @@ _GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm
 
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """None means the default model; else a `.gguf` file, an HF directory or a hub id
-    (services/serving/model_source.py)."""
+    (services/common/model_source.py)."""
     return resolve_model(model, revision, check=_check_architecture)
 
 
 def _check_architecture(config: dict) -> None:
-    from services.engine.model_config import ARCHITECTURES, unsupported_architecture
+    from baton.services.engine.model_config import ARCHITECTURES, unsupported_architecture
 
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     if arch not in ARCHITECTURES:

@@ -11,18 +11,18 @@ import logging
 import numpy as np
 import torch
 
-import kernels
-from kernels.metadata import AttentionMetadata, count_shared_blocks
-from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import CudaGraphRunner
-from services.engine.model_config import ModelConfig
-from services.engine.models import model_class
-from services.engine.outputs import SampledTokens
-from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplingRow, to_device
-from services.engine.scheduler import SchedulerOutput
-from services.engine.structured_output import BatchMask
-from services.serving.sampling_params import SamplingParams
+from baton import kernels
+from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.cuda_graphs import CudaGraphRunner
+from baton.services.engine.model_config import ModelConfig
+from baton.services.engine.models import model_class
+from baton.services.engine.outputs import SampledTokens
+from baton.services.engine.request import Request
+from baton.services.engine.sampler import Sampler, SamplingRow, to_device
+from baton.services.engine.scheduler import SchedulerOutput
+from baton.services.engine.structured_output import BatchMask
 
 log = logging.getLogger(__name__)
 

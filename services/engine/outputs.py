@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.services.common.finish import FinishReason
+
 
 @dataclass
 class SampledTokens:
@@ -30,9 +32,7 @@ class RequestOutput:
     text: str  # all output text so far (cut at a stop string)
     new_token_ids: list[int] = field(default_factory=list)  # this step's delta
     new_text: str = ""  # this step's text delta
-    # "stop", "length", "abort", or "constraint" (the structured-output constraint allows
-    # no further token); None while going on
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # None while it goes on
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled + top N
     num_cached_tokens: int = 0

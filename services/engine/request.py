@@ -7,8 +7,9 @@ import time
 
 import torch
 
-from kv_transfer.base import KVHandle
-from services.serving.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVHandle
+from baton.services.common.finish import FinishReason
+from baton.services.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -16,14 +17,21 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks allocated, remote KV arriving
     RUNNING = "running"
     PREFILLED = "prefilled"  # prefill role: first token out, blocks held under a lease
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_CONSTRAINT = "constraint"  # the structured-output constraint allows no token
+    FINISHED_STOPPED = FinishReason.STOP
+    FINISHED_LENGTH = FinishReason.LENGTH
+    FINISHED_ABORTED = FinishReason.ABORT
+    FINISHED_CONSTRAINT = FinishReason.CONSTRAINT
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the request ended; None while it goes on, and once PREFILLED (it goes on
+        elsewhere)."""
+        return self.value if isinstance(self.value, FinishReason) else None
 
     @property
     def finished(self) -> bool:
-        return self.value in ("prefilled", "stop", "length", "abort", "constraint")
+        """Done here: ended, or handed off with its first token."""
+        return self is RequestStatus.PREFILLED or self.finish_reason is not None
 
 
 class Request:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.serving.sampling_params import SamplingParams
+from baton.services.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_transfer.base import KVReceiver
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_loader import RemoteKVLoader
-from services.engine.leases import LeaseTable
-from services.engine.outputs import SampledTokens
-from services.engine.request import Request, RequestStatus
+from baton.kv_transfer.base import KVReceiver
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.kv_loader import RemoteKVLoader
+from baton.services.engine.leases import LeaseTable
+from baton.services.engine.outputs import SampledTokens
+from baton.services.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,6 @@ class Scheduler:
         if req is not None:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
-
-    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
-        return self.leases.release(request_id, lease_id)
-
-    def expire_leases(self, now: float) -> list[str]:
-        return self.leases.expire(now)
 
     # ---- the step -----------------------------------------------------------------
 

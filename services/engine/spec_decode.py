@@ -21,8 +21,8 @@ nearly k + 1 times as much, and no request drafts (see docs/benchmarks.md, W5).
 
 from __future__ import annotations
 
-from services.engine.config import SpecConfig
-from services.engine.request import Request
+from baton.services.engine.config import SpecConfig
+from baton.services.engine.request import Request
 
 
 class NgramIndex:

@@ -24,9 +24,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from services.engine.engine import LLMEngine
-from services.engine.outputs import EngineStats, RequestOutput
-from services.serving.errors import Overloaded
+from baton.services.common.finish import FinishReason
+from baton.services.engine.engine import LLMEngine
+from baton.services.engine.outputs import EngineStats, RequestOutput
+from baton.services.rpc.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class AsyncEngine:
         threads (None without one), for `add` to hand to the engine: a slow schema never
         stalls a step, and a cache eviction before the admit cannot make the engine
         thread compile. Before anything is queued, raises ValueError (INVALID_ARGUMENT:
-        it cannot compile, or not within the time limit) or Overloaded (the compile
-        queue is full)."""
+        it cannot compile, or not within the time limit) or AtCapacity
+        (RESOURCE_EXHAUSTED: the compile queue is full)."""
         if params.structured is None:
             return None
         return await asyncio.wrap_future(self.engine.grammars.submit(params.structured))
@@ -159,7 +160,7 @@ class AsyncEngine:
         # Only requests the engine held: one whose admit call is still queued is added
         # after this, and its stream goes on normally.
         return [RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="",
-                              finish_reason="abort", error="internal engine error",
+                              finish_reason=FinishReason.ABORT, error="internal engine error",
                               engine_failed=True)
                 for rid, (_, _, admitted) in list(self._queues.items()) if admitted.is_set()]
 

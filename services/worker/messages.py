@@ -1,19 +1,14 @@
-"""Proto messages from and to the engine's types: one place for each conversion."""
+"""Proto messages from and to the engine's types: one place for each conversion. The
+wire's SamplingParams becomes the engine's in services/rpc/convert.py
+(`sampling_params`, the one seam for every process that reads a request)."""
 
 from __future__ import annotations
 
+from baton.kv_transfer.base import KVLayout
+from baton.services.engine.outputs import ModelInfo, RequestOutput
+from baton.services.rpc.convert import FINISH, logprobs_messages, set_stop_reason
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
-from kv_transfer.base import KVLayout
-from services.engine.outputs import ModelInfo, RequestOutput
-from services.serving.convert import FINISH, logprobs_messages, sampling_kwargs, set_stop_reason
-from services.serving.sampling_params import SamplingParams
-
-
-def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> SamplingParams:
-    """The request's values; where it leaves one unset, the model's default if it has one
-    (generation_config.json), else SamplingParams' own."""
-    return SamplingParams(**{**(defaults or {}), **sampling_kwargs(msg)})
 
 
 def layout_message(layout: KVLayout) -> wk.KvLayout:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.serving.config import ServiceConfig
-from services.serving.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
 
 GAUGES = {  # name: (help, from the stats snapshot)
     "baton:num_requests_running": ("Requests in the running batch",

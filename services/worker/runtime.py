@@ -9,18 +9,18 @@ from collections.abc import Callable
 
 import grpc
 
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine import LLMEngine, ReceiverFactory
+from baton.services.rpc import tracing
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.config import WorkerConfig
+from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.watchdog import watch
+from baton.services.worker.worker_service import WorkerServicer
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine, ReceiverFactory
-from services.serving import tracing
-from services.serving.security import Security
-from services.serving.server import Lifecycle, method_name, run_server, service_name
-from services.worker.async_engine import AsyncEngine
-from services.worker.config import WorkerConfig
-from services.worker.metrics import WorkerMetrics
-from services.worker.watchdog import watch
-from services.worker.worker_service import WorkerServicer
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import time
 
 from opentelemetry.context import Context
 
-from services.engine.outputs import RequestOutput
-from services.serving import tracing
+from baton.services.engine.outputs import RequestOutput
+from baton.services.rpc import tracing
 
 
 def prompt(out: RequestOutput, parent: Context) -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
+from baton.kv_transfer.blocks import read_blocks
+from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
+from baton.services.rpc.server import Lifecycle
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.messages import layout_message, model_info_message
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from kv_transfer.blocks import read_blocks
-from services.serving.errors import FailedPrecondition, InvalidArgument
-from services.serving.server import Lifecycle
-from services.worker.async_engine import AsyncEngine
-from services.worker.messages import layout_message, model_info_message
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
 

@@ -1,4 +1,7 @@
-"""One disaggregated topology (router, prefill, decode over NIXL) per test session."""
+"""One disaggregated topology (router, prefill, decode over NIXL) per test session, on
+the tiny serving model: these tests check the mechanics of serving (routing, transfer,
+failures, APIs) against an offline engine of the same model. tests/e2e/test_real_model.py
+serves the default model once, for fidelity."""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from tests.e2e.topology import Topology
 
 
 @pytest.fixture(scope="session")
-def topology(tmp_path_factory, model_path):
-    topo = Topology(tmp_path_factory.mktemp("services"))
+def topology(tmp_path_factory, tiny_model):
+    topo = Topology(tmp_path_factory.mktemp("services"), tiny_model)
     try:  # the router answers SERVING once it has paired the workers
         yield {**topo.disaggregated("nixl"), "topology": topo}
     finally:
@@ -31,9 +34,9 @@ def topology_stays_clean(request):
 
 
 @pytest.fixture(scope="session")
-def offline(make_llm):
+def offline(make_llm, tiny_model):
     """The offline engine the services' greedy text must equal (fp32, as the workers)."""
-    return make_llm(dtype="float32", max_num_batched_tokens=256)
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=256)
 
 
 def both_free_within(topology, seconds: float) -> bool:

@@ -13,9 +13,9 @@ import grpc
 import httpx
 import openai
 
+from baton.services.rpc.processes import is_serving
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from services.serving.processes import is_serving
 from tests.e2e.topology import ROOT, free_port
 
 
@@ -25,9 +25,10 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_up_serves_both_apis_and_sigterm_stops_everything(model_path):
+def test_up_serves_both_apis_and_sigterm_stops_everything(tiny_model):
     ports = [free_port() for _ in range(6)]
-    cmd = [sys.executable, "-m", "cli", "up", "--port", str(ports[0]),
+    cmd = [sys.executable, "-m", "baton.cli", "up", "--model", str(tiny_model),
+           "--port", str(ports[0]),
            "--prefill-port", str(ports[1]), "--decode-port", str(ports[2]), "--threads", "1",
            "--kv-cache-gib", "0.25", "--dtype", "float32", "--http-port", str(ports[3]),
            "--prefill-metrics-port", str(ports[4]), "--decode-metrics-port", str(ports[5])]

@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.engine import SamplingParams
 from tests.e2e.conftest import both_free_within
 from tests.e2e.helpers import all_free, greedy, joined, run, stats
 from tests.e2e.topology import channel

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from services.engine import SamplingParams
 from tests.e2e.helpers import greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
@@ -21,8 +21,8 @@ PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 3
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    topo = Topology(tmp_path_factory.mktemp("failures"))
+def cluster(tmp_path_factory, tiny_model):
+    topo = Topology(tmp_path_factory.mktemp("failures"), tiny_model)
     try:
         nixl = ("--kv-transport", "nixl")
         p1 = topo.worker("prefill", *nixl, wait=False)
@@ -122,10 +122,12 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
 
 
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
-    ref = offline.generate([PROMPT], SamplingParams(max_tokens=48, temperature=0.0,
+    # Long enough that the tiny model is still decoding when the sixth token arrives.
+    n = 400
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0,
                                                     ignore_eos=True))[0]
     until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
-    req = gen.GenerateRequest(text=PROMPT, sampling=greedy(48, ignore_eos=True))
+    req = gen.GenerateRequest(text=PROMPT, sampling=greedy(n, ignore_eos=True))
     msgs, killed = [], []
     with channel(cluster["router"]) as ch:
         for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
@@ -135,7 +137,7 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
                 cluster["topology"].kill(cluster[victim])
                 killed.append(victim)
     assert killed and joined(msgs) == (ref.token_ids, ref.text)
-    assert msgs[-1].usage.completion_tokens == 48
+    assert msgs[-1].usage.completion_tokens == n
 
 
 def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline):

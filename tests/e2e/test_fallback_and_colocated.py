@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.engine import SamplingParams
 from tests.e2e.helpers import greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
@@ -22,8 +22,8 @@ PROMPTS = ["The three primary colours are", "Paged KV blocks move between worker
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory, model_path):
-    topo = Topology(tmp_path_factory.mktemp("fallback"))
+def services(tmp_path_factory, tiny_model):
+    topo = Topology(tmp_path_factory.mktemp("fallback"), tiny_model)
     try:
         yield {**topo.disaggregated("grpc"), "colocated": topo.worker("colocated"),
                "topology": topo}

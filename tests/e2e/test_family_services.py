@@ -24,12 +24,12 @@ FLAGS = ("--max-num-batched-tokens", "32")  # prompts run in chunks
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory, model_path):
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("gemma3")
     hf = build("gemma3", root / "tiny-gemma3", load_tokenizer(model_path))
     put_in_hub_cache(root / "tiny-gemma3", root / "hub", REPO)
-    topo = Topology(root)
+    topo = Topology(root, model_path)  # every service names its model
     env = {"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}
     try:
         prefill = topo.worker("prefill", "--model", REPO, *FLAGS, "--served-model-name",

@@ -16,11 +16,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.engine import SamplingParams
 from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
 from tests.e2e.topology import Topology, channel
 
@@ -30,11 +30,12 @@ VICTIM = "A lighthouse keeper writes in her log every night about the sea. " * 5
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory, model_path):
-    topo = Topology(tmp_path_factory.mktemp("faults"))
+def faults(tmp_path_factory, tiny_model):
+    topo = Topology(tmp_path_factory.mktemp("faults"), tiny_model)
     try:
         nixl = ("--kv-transport", "nixl")
-        p = topo.worker("prefill", *nixl, "--kv-cache-gib", "0.02", "--kv-lease-timeout",
+        # About 29 blocks of the tiny model's KV: the fillers below reuse them.
+        p = topo.worker("prefill", *nixl, "--kv-cache-gib", "0.00022", "--kv-lease-timeout",
                         str(LEASE_S), wait=False)
         d1 = topo.worker("decode", *nixl, wait=False)
         d2 = topo.worker("decode", *nixl, wait=False)
@@ -71,6 +72,12 @@ def _fill(prefill: str, offline, n: int = 4) -> None:
 
 def _holds(s: wk.GetStatsResponse) -> bool:
     return s.num_waiting + s.num_running + s.num_leases > 0
+
+
+def _health(address: str) -> int:
+    with channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                    timeout=5).status
 
 
 def _wait_for(check, timeout: float, what: str) -> None:
@@ -220,19 +227,27 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
         except grpc.RpcError as e:
             results[i] = (e.code(), e.details())
 
+    topo = faults["topology"]
+    # The decode workers pause (for less than the router's --worker-timeout), so the
+    # prefill worker still holds leases when the drain starts, and the drain waits on them.
+    for d in ("d1", "d2"):
+        topo.kill(faults[d], signal.SIGSTOP)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    _wait_for(lambda: _holds(stats(p)), 30, "the prefill worker got no prompt")
-    proc = faults["topology"].kill(p, signal.SIGTERM)
-    STOPPED.add(p)
-    time.sleep(0.5)  # well into the drain: health must still answer, NOT_SERVING
-    with channel(p) as ch:
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                      timeout=5)
+    try:
+        for t in threads:
+            t.start()
+        _wait_for(lambda: stats(p).num_leases > 0, 30, "the prefill worker holds no lease")
+        proc = topo.kill(p, signal.SIGTERM)
+        STOPPED.add(p)
+        _wait_for(lambda: _health(p) != health_pb2.HealthCheckResponse.SERVING, 5,
+                  "health still says SERVING")
+        health = _health(p)  # in the drain: it still answers, NOT_SERVING
+    finally:
+        for d in ("d1", "d2"):
+            topo.kill(faults[d], signal.SIGCONT)
     for t in threads:
         t.join(timeout=120)
-    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health == health_pb2.HealthCheckResponse.NOT_SERVING
     assert [results.get(i) for i in range(6)] == [(w.token_ids, w.text) for w in want]
     assert proc is not None and proc.wait(timeout=60) == 0
     after = {d: stats(faults[d]) for d in ("d1", "d2")}

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
-from services.engine import SamplingParams
 from tests.e2e.helpers import greedy, joined, metric_value, run, stats
 
 MESSAGES = [{"role": "user", "content": "Name three rivers of Europe."}]

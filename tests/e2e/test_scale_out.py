@@ -12,11 +12,11 @@ import grpc
 import httpx
 import pytest
 
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.rpc.processes import wait_healthy
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from services.serving.processes import wait_healthy
-from services.serving.sampling_params import SamplingParams
 from tests.dns_server import DnsServer
 from tests.e2e.helpers import all_free_within, greedy, joined, metric_value, run, stats
 from tests.e2e.topology import Topology, channel, free_port
@@ -31,9 +31,9 @@ QUESTIONS = ["When do you open?", "Do you rent bikes?", "Can you fix a flat tyre
 
 
 @pytest.fixture(scope="module")
-def scale(tmp_path_factory, model_path):
+def scale(tmp_path_factory, tiny_model):
     dns = DnsServer()
-    topo = Topology(tmp_path_factory.mktemp("scale"))
+    topo = Topology(tmp_path_factory.mktemp("scale"), tiny_model)
     port = free_port()
     try:
         prefill = topo.worker("prefill", wait=False)

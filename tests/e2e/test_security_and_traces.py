@@ -47,7 +47,7 @@ class Collector(otlp_grpc.TraceServiceServicer):
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory, model_path):
+def secure(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("secure")
     ca, rogue_ca = CA(folder, "baton-ca"), CA(folder, "rogue-ca")
     collector = Collector()
@@ -58,7 +58,7 @@ def secure(tmp_path_factory, model_path):
     trace = ("--otlp-traces-endpoint", f"127.0.0.1:{otlp_port}", "--otlp-insecure")
     # Spans exported every 0.1 s; no cluster token: the certificates alone say who is who.
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "BATON_CLUSTER_TOKEN": ""}
-    topo = Topology(folder)
+    topo = Topology(folder, tiny_model)
     try:
         def tls(name: str, authority: CA = ca) -> tuple[str, ...]:
             cert, key = authority.issue(name)
@@ -142,7 +142,7 @@ def test_a_worker_without_the_cas_certificate_cannot_join(secure):
     router = topo.start("router", "--prefill", secure["p"], "--decode", rogue,
                         *secure["tls"]("router-2"), healthy=False)
     cert, key = secure["client"]  # the rogue trusts our CA, but itself shows another's
-    from services.serving.processes import is_serving
+    from baton.services.rpc.processes import is_serving
 
     seen = grpc.ssl_channel_credentials(secure["rogue_ca"].path.read_bytes(),
                                         key.read_bytes(), cert.read_bytes())

@@ -13,9 +13,9 @@ import httpx
 import jsonschema
 import pytest
 
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
-from services.engine import SamplingParams
-from services.serving.sampling_params import StructuredOutput
 from tests.e2e.helpers import all_free_within, joined, metric_value, run, until_served
 from tests.e2e.topology import Topology
 
@@ -39,17 +39,26 @@ REPEAT = ("Repeat this exactly: the paged blocks move from the prefill worker to
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory, model_path):
-    """A colocated server, and a prefill + decode pair whose decode worker speculates."""
-    topo = Topology(tmp_path_factory.mktemp("structured"))
+    """A colocated server, and a prefill + decode pair whose decode worker speculates, on
+    the default model: a random tiny model never repeats its prompt, so its drafts would
+    never be accepted."""
+    topo = Topology(tmp_path_factory.mktemp("structured"), model_path)
     try:
-        prefill = topo.worker("prefill", "--kv-transport", "grpc")
+        prefill = topo.worker("prefill", "--kv-transport", "grpc", wait=False)
         decode = topo.worker("decode", "--kv-transport", "grpc", "--speculative-method",
-                             "ngram", "--num-speculative-tokens", "4")
+                             "ngram", "--num-speculative-tokens", "4", wait=False)
+        colocated = topo.worker("colocated", wait=False)
         router = topo.start("router", "--prefill", prefill, "--decode", decode)
-        yield {"colocated": topo.worker("colocated"), "router": router, "prefill": prefill,
+        yield {"colocated": colocated, "router": router, "prefill": prefill,
                "decode": decode, "topology": topo}
     finally:
         topo.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(make_llm):
+    """The default model offline (fp32, as the workers)."""
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
 
 
 def chat(text: str, sampling: gen.SamplingParams) -> gen.GenerateRequest:

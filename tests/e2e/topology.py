@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import random
 import secrets
 import signal
 import socket
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import grpc
 
-from services.serving.cluster import ClusterToken
-from services.serving.processes import serve_command, stop_all, wait_healthy
+from baton.services.rpc.cluster import ClusterToken
+from baton.services.rpc.processes import serve_command, stop_all, wait_healthy
+from tests.e2e.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small and exact: fp32 (so greedy text matches an offline engine batch for batch), one
@@ -22,19 +25,33 @@ WORKER_FLAGS = ["--dtype", "float32", "--threads", "1", "--kv-cache-gib", "0.25"
 # Every service started here shares it (a test may pass env={"BATON_CLUSTER_TOKEN": ""}
 # for none), and `channel` sends it: the workers trust one another, as deployed.
 CLUSTER_TOKEN = secrets.token_urlsafe(32)
+# Services are forked from one zygote per test process (tests/e2e/zygote.py: the imports
+# done once); BATON_TEST_NO_ZYGOTE=1 starts each as a fresh process instead.
+ZYGOTE = None if os.environ.get("BATON_TEST_NO_ZYGOTE") == "1" else Zygote()
+if ZYGOTE is not None:
+    atexit.register(ZYGOTE.close)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (32768 and up here), so that no
+    outgoing connection's local port takes it before the service binds it."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Topology:
-    """Processes started here, stopped together."""
+    """Processes started here, stopped together. Every service runs `model` (an HF
+    directory or GGUF file; the router reads its tokenizer) unless its flags name one."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, model: Path | str):
         self.log_dir = log_dir
+        self.model = str(model)
         self.procs: list[subprocess.Popen] = []
         self.pending: list[tuple] = []  # (address, process, credentials): not yet healthy
         self.http: dict[str, str] = {}  # a router's gRPC address -> its HTTP address
@@ -47,6 +64,8 @@ class Topology:
         it, it is not meant to become SERVING; `credentials`: TLS to reach it)."""
         port = port or free_port()
         address = f"{host}:{port}"
+        if "--model" not in flags:
+            flags = (*flags, "--model", self.model)
         if role == "router" and "--local-prefill-hit" not in flags:
             # These tests check the mechanics of disaggregation: every request goes
             # through a prefill worker. Conditional disaggregation has its own tests.
@@ -55,11 +74,16 @@ class Topology:
             http = free_port()
             flags = (*flags, "--http-port", str(http))
             self.http[address] = f"127.0.0.1:{http}"
-        log = open(self.log_dir / f"{role}-{host}-{port}.log", "w")
+        log = self.log_dir / f"{role}-{host}-{port}.log"
         env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "BATON_CLUSTER_TOKEN": CLUSTER_TOKEN,
                **(env or {})}
-        proc = subprocess.Popen(serve_command(role, address, *flags), cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+        cmd = serve_command(role, address, *flags)
+        if ZYGOTE is not None:
+            proc = ZYGOTE.spawn(cmd, log, env)
+        else:
+            with open(log, "a") as out:
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                        env=env)
         self.procs.append(proc)
         if healthy:
             self.pending.append((address, proc, credentials))
@@ -95,8 +119,8 @@ class Topology:
 
     def disaggregated(self, transport: str) -> dict[str, str]:
         """A prefill and a decode worker over `transport`, and a router in front."""
-        prefill = self.worker("prefill", "--kv-transport", transport)
-        decode = self.worker("decode", "--kv-transport", transport)
+        prefill = self.worker("prefill", "--kv-transport", transport, wait=False)
+        decode = self.worker("decode", "--kv-transport", transport, wait=False)
         router = self.start("router", "--prefill", prefill, "--decode", decode)
         return {"router": router, "prefill": prefill, "decode": decode}
 

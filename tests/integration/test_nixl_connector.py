@@ -23,13 +23,13 @@ import torch
 
 pytest.importorskip("nixl_cu12")
 
-from kv_transfer.base import (  # noqa: E402
+from baton.kv_transfer.base import (  # noqa: E402
     IncompatibleLayout,
     KVHandle,
     KVLayout,
     TransferState,
 )
-from kv_transfer.nixl_connector import NixlConnector  # noqa: E402
+from baton.kv_transfer.nixl_connector import NixlConnector  # noqa: E402
 
 SENDER_BLOCKS = 9
 RECEIVER_BLOCKS = 13

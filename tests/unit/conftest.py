@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.engine_helpers import N_REF, STORY, greedy
+from tests.unit.engine_helpers import N_REF, STORY, greedy, kv_gib
 
 
 @pytest.fixture(scope="module")
-def small(make_llm):
-    """max_model_len 40, priority scheduling, and a KV budget of only 14 blocks (13 usable,
-    208 tokens): too few for 6 requests of up to 40 tokens (3 blocks each)."""
-    return make_llm(dtype="float32", max_model_len=40, max_num_seqs=8,
+def small(make_llm, tiny_model):
+    """The tiny serving model, max_model_len 40, priority scheduling, and a KV budget of
+    only 14 blocks (13 usable, 208 tokens): too few for 6 requests of up to 40 tokens (3
+    blocks each). The modules that use it compare it with an `llm` of the same model."""
+    return make_llm(model=str(tiny_model), dtype="float32", max_model_len=40, max_num_seqs=8,
                     max_num_batched_tokens=128, scheduling_policy="priority",
-                    kv_cache_gib=0.01)
+                    kv_cache_gib=kv_gib(tiny_model, 13))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def start_clean(llm, small):
 @pytest.fixture(scope="session")
 def tok(model_path):
     """The default model's path, with the tokenizer folder the router reads saved."""
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     load_tokenizer(model_path)
     return model_path

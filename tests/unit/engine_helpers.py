@@ -3,11 +3,23 @@ to the end, and the clean start of each test."""
 
 from __future__ import annotations
 
-from services.engine import LLM, SamplingParams
+from baton.services.engine import LLM, SamplingParams
 
 EOS = 2
 STORY = "Once upon a time, in a land far away, there lived a"
 N_REF = 32
+
+
+def kv_gib(model, blocks: int) -> float:
+    """The KV budget (GiB, for EngineConfig.kv_cache_gib) of `blocks` blocks of 16 tokens
+    of `model` (an HF directory) in fp32: a pool size that means the same for any model."""
+    import torch
+
+    from baton.services.engine.loader import hf_dir_config
+    from baton.services.engine.model_runner import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(hf_dir_config(model), 16, torch.float32)
+    return (blocks + 1) * per_block / 2**30  # the null block too
 
 
 def greedy(max_tokens: int = N_REF, **kw) -> SamplingParams:

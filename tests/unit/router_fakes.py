@@ -18,19 +18,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.router.clients import GrpcWorkerClient
+from baton.router.config import RouterConfig
+from baton.router.core import Router
+from baton.router.server import GENERATION_METHODS, RouterServicer, build
+from baton.services.common.block_hash import extend_hashes
+from baton.services.common.kv_events import KvEventLog
+from baton.services.rpc.errors import retry_metadata
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, make_server, method_name, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from router.clients import GrpcWorkerClient
-from router.config import RouterConfig
-from router.core import Router
-from router.server import GENERATION_METHODS, RouterServicer, build
-from services.serving.block_hash import extend_hashes
-from services.serving.errors import retry_metadata
-from services.serving.kv_events import KvEventLog
-from services.serving.security import Security
-from services.serving.server import Lifecycle, make_server, method_name, service_name
 
 VOCAB, MAX_LEN = 49152, 65536
 PROMPT = list(range(100, 140))
@@ -78,6 +78,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     stalled_since: float = 0.0  # its engine stuck since (Unix time): streams wait, stats say so
     leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
     released: list[tuple[str, int, bool]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # AbortPrefill's request ids
     prefills: list[str] = field(default_factory=list)
     decodes: list[wk.DecodeRequest] = field(default_factory=list)
     active: int = 0
@@ -143,8 +144,9 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                 engine_id=self.engine_id, request_id=request.request_id, lease_id=lease,
                 block_ids=list(range(1, 1 + -(-len(prompt) // 16))), num_tokens=len(prompt),
                 lease_s=30))
-            if context.cancelled():  # as a prefill worker does: nobody will come for it
-                self.release(request.request_id, lease)
+            # As a prefill worker does: a call that ends cancelled hands the lease to nobody.
+            context.add_done_callback(
+                lambda ctx: ctx.cancelled() and self.release(request.request_id, lease))
         return reply
 
     def release(self, rid: str, lease_id: int) -> bool:
@@ -160,6 +162,12 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
         return wk.ReleaseKvResponse(released=self.release(request.request_id,
                                                           request.lease_id))
+
+    async def AbortPrefill(self, request, context):
+        # As a prefill worker does: whatever lease the request holds ends, by its id.
+        self.aborted.append(request.request_id)
+        return wk.AbortPrefillResponse(
+            released=self.leases.pop(request.request_id, None) is not None)
 
     # ---- decode ----------------------------------------------------------------------
 

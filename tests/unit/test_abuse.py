@@ -1,7 +1,9 @@
 """The abuse suite: the router's front door (HTTP and gRPC, on one event loop, in front
-of fake workers) sent the giant requests of the review, at their sizes. Each is refused
-in under a second, naming its field, while a poller of /health on the same router sees
-every answer in under 100 ms; then a normal request is served."""
+of fake workers) sent the giant requests of the reviews, at their sizes, and the ways
+around the counts (a group in front of the messages, escaped JSON keys, constraints'
+choices). Each is refused in under a second, naming its field, while a poller of /health
+on the same router sees every answer in under 100 ms; then a normal request is served.
+gRPC requests are counted and parsed on the router's parse threads, never on its loop."""
 
 from __future__ import annotations
 
@@ -10,18 +12,19 @@ import gc
 import json
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import httpx
 
+from baton.router.config import RouterConfig
+from baton.router.openai.server import HttpServer
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import CHANNEL_OPTIONS
 from baton.v1 import generation_pb2 as gen
-from router.config import RouterConfig
-from router.openai.server import HttpServer
-from services.serving.config import ServiceConfig
-from services.serving.security import Security
-from services.serving.server import CHANNEL_OPTIONS
 from tests.unit.router_fakes import PROMPT, cluster, expected
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +46,36 @@ def _varint(n: int) -> bytes:
     return bytes(out + bytes([n]))
 
 
-def _many_messages(message, n: int) -> bytes:
-    """`message`'s type with a chat of `n` empty user messages, as wire bytes (built by
+def _many_messages(message, n: int, role: str = "user") -> bytes:
+    """`message`'s type with a chat of `n` empty messages, as wire bytes (built by
     repeating one message's bytes: a million protobuf objects would take seconds)."""
-    one = gen.ChatMessages(messages=[gen.ChatMessage(role="user")]).SerializeToString()
+    one = gen.ChatMessages(messages=[gen.ChatMessage(role=role)]).SerializeToString()
     number = message.DESCRIPTOR.fields_by_name["chat"].number
     return bytes([number << 3 | 2]) + _varint(len(one) * n) + one * n
+
+
+def _group_then_messages(n: int) -> bytes:
+    """A 4-byte empty group (which protobuf keeps as an unknown field), then a chat of `n`
+    messages with no fields at all."""
+    return _varint(2000 << 3 | 3) + _varint(2000 << 3 | 4) + _many_messages(
+        gen.GenerateRequest, n, role="")
+
+
+def _many_choices(n: int) -> bytes:
+    """Generate with a structured-output choice of `n` one-character strings."""
+    one = gen.Choices(choices=["a"]).SerializeToString()
+    choices = _varint(len(one) * n) + one * n
+    number = gen.StructuredOutput.DESCRIPTOR.fields_by_name["choice"].number
+    structured = _varint(number << 3 | 2) + choices
+    number = gen.SamplingParams.DESCRIPTOR.fields_by_name["structured_output"].number
+    sampling = _varint(number << 3 | 2) + _varint(len(structured)) + structured
+    number = gen.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
+    return gen.GenerateRequest(text="hi").SerializeToString() + _varint(
+        number << 3 | 2) + _varint(len(sampling)) + sampling
+
+
+def _strings(key: bytes, n: int) -> bytes:
+    return b'"' + key + b'": [' + b'"a", ' * (n - 1) + b'"a"]'
 
 
 def _http_bodies() -> list[tuple[str, bytes, str]]:
@@ -69,6 +96,18 @@ def _http_bodies() -> list[tuple[str, bytes, str]]:
                                         "n": MILLION}).encode(), "n"),
         ("/v1/completions", json.dumps({"model": "fake", "prompt": ["hi"] * 200,
                                         "n": 100}).encode(), "n"),  # 20,000 choices
+        # Escaped keys are the same keys: \u0070rompt is "prompt", \u0073top is "stop".
+        ("/v1/completions", head + _strings(b"\\u0070rompt", MILLION) + b"}", "prompt"),
+        ("/v1/completions", head + b'"prompt": "hi", ' + _strings(b"\\u0073top", MILLION)
+         + b"}", "stop"),
+        ("/v1/completions", head + b'"prompt": "hi", ' + _strings(b"guided_choice", MILLION)
+         + b"}", "guided_choice"),
+        ("/v1/chat/completions", head + b'"messages": [{"role": "user", "content": "hi"}], '
+         b'"structured_outputs": {' + _strings(b"choice", MILLION) + b"}}",
+         "structured_outputs.choice"),
+        ("/v1/chat/completions", head + b'"messages": [{"role": "user", "content": "hi"}], '
+         b'"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ['
+         + b"1, " * (MILLION - 1) + b"1]}}}}", "response_format"),
     ]
 
 
@@ -77,6 +116,8 @@ def _grpc_requests() -> list[tuple[str, bytes, str]]:
     stops = gen.SamplingParams(stop=["x" * 200] * 20_000)
     return [
         (GENERATE, _many_messages(gen.GenerateRequest, MILLION), "chat.messages"),
+        (GENERATE, _group_then_messages(8 * MILLION), "request"),
+        (GENERATE, _many_choices(MILLION), "sampling.structured_output.choice"),
         (TOKENIZE, _many_messages(gen.TokenizeRequest, MILLION), "chat.messages"),
         (GENERATE, gen.GenerateRequest(text="hi", cache_salt="s" * (8 << 20))
          .SerializeToString(), "cache_salt"),
@@ -168,11 +209,30 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
         return results, latencies
 
     results, latencies = asyncio.run(main())
-    assert len(results) == 13, results  # 6 HTTP bodies, 7 gRPC requests
+    assert len(results) == 20, results  # 11 HTTP bodies, 9 gRPC requests
     for r in results:
         assert r["status"] in (400, "INVALID_ARGUMENT") and r["param"] == r["want"], r
         assert r["took"] < 1.0, r
     assert len(latencies) > 10 and max(latencies) < 0.1, (len(latencies), max(latencies))
+
+
+def test_grpc_requests_are_counted_and_parsed_on_the_routers_parse_threads(tok):
+    async def main():
+        async with cluster(tok) as c:
+            assert c.lifecycle.parse_pool is c.router.intake.parse_pool  # not the tokenizer's
+            threads = []
+            for method in (GENERATE, TOKENIZE):
+                check = c.lifecycle.request_checks[method]
+                c.lifecycle.request_checks[method] = lambda raw, check=check: (
+                    threads.append(threading.current_thread().name), check(raw))
+            msgs = await c.generate(PROMPT, 4)
+            assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+            reply = await c.stub.Tokenize(gen.TokenizeRequest(text="hi"), timeout=10)
+            assert list(reply.token_ids)
+            return threads
+
+    threads = asyncio.run(main())
+    assert len(threads) == 2 and all(t.startswith("parse") for t in threads), threads
 
 
 if __name__ == "__main__":  # the abuser, started by the test above

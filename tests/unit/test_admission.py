@@ -11,11 +11,11 @@ import grpc
 import httpx
 import pytest
 
+from baton.router.openai import app as app_module
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from router.openai import app as app_module
-from services.serving.config import ServiceConfig
-from services.serving.security import Security
-from services.serving.server import Lifecycle
 from tests.unit.router_fakes import PROMPT, cluster, expected, request
 
 

@@ -8,13 +8,20 @@ import threading
 
 import pytest
 
-from services.engine import SamplingParams
-from services.worker.async_engine import AsyncEngine
+from baton.services.engine import SamplingParams
+from baton.services.worker.async_engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")
-def aengine(make_llm):
-    a = AsyncEngine(make_llm(dtype="float32").engine)
+def llm(make_llm, tiny_model):
+    """The reference engine (the tiny serving model: what is checked is the thread)."""
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=128,
+                    max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def aengine(make_llm, tiny_model):
+    a = AsyncEngine(make_llm(model=str(tiny_model), dtype="float32").engine)
     yield a
     a.stop()
 
@@ -115,7 +122,7 @@ def test_failed_step_ends_every_stream_and_the_thread_lives(aengine, monkeypatch
 
 
 def test_full_queue_refuses_at_once(aengine):
-    from services.serving.errors import Overloaded
+    from baton.services.rpc.errors import Overloaded
 
     async def main():
         async for _ in aengine.generate("o", lambda e: e.add_request("hi", None, "o")):

@@ -15,8 +15,8 @@ import types
 import pytest
 import torch
 
-import kernels
-from kernels import reference, torch_attn
+from baton import kernels
+from baton.kernels import reference, torch_attn
 from tests.kernel_batch import make_batch as _make_batch
 
 CUDA = torch.device("cuda")  # only a device object: select_backend does not touch it
@@ -67,11 +67,11 @@ def fake_flash(monkeypatch):
         else:
             mod.flash_attn_varlen_func = _fake_varlen
         monkeypatch.setitem(sys.modules, module_name, mod)
-        monkeypatch.delitem(sys.modules, "kernels.flash", raising=False)
-        return importlib.import_module("kernels.flash")
+        monkeypatch.delitem(sys.modules, "baton.kernels.flash", raising=False)
+        return importlib.import_module("baton.kernels.flash")
 
     yield install
-    sys.modules.pop("kernels.flash", None)
+    sys.modules.pop("baton.kernels.flash", None)
 
 
 def test_cpu_takes_torch_and_forced_names_say_why_they_cannot_run(monkeypatch):
@@ -85,17 +85,17 @@ def test_cpu_takes_torch_and_forced_names_say_why_they_cannot_run(monkeypatch):
 
 
 def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch):
-    pytest.importorskip("kernels.triton_attn", reason="triton is not installed")
+    pytest.importorskip("baton.kernels.triton_attn", reason="triton is not installed")
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", None)  # import fails
     monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.delitem(sys.modules, "kernels.flash", raising=False)
-    triton_attn = sys.modules["kernels.triton_attn"]
+    monkeypatch.delitem(sys.modules, "baton.kernels.flash", raising=False)
+    triton_attn = sys.modules["baton.kernels.triton_attn"]
     assert kernels.select_backend(CUDA) is triton_attn  # no flash-attn: Triton
     old_fork = types.ModuleType("vllm_flash_attn")  # a 2.5-era build: no seqused_k
     old_fork.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, block_table=None: q
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", old_fork)
     assert kernels.select_backend(CUDA) is triton_attn
-    monkeypatch.delitem(sys.modules, "kernels.flash", raising=False)
+    monkeypatch.delitem(sys.modules, "baton.kernels.flash", raising=False)
     flash = fake_flash("vllm_flash_attn")
     assert kernels.select_backend(CUDA, block_size=16) is flash
     # fp32 is not a flash-attn dtype: Triton, which runs it.
@@ -106,7 +106,7 @@ def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch)
     assert kernels.select_backend(CUDA, block_size=256) is flash
     with pytest.raises(ValueError, match="block_size a multiple of 256"):
         kernels.select_backend(CUDA, "flash-attn", block_size=16)
-    monkeypatch.setitem(sys.modules, "kernels.triton_attn", None)  # no Triton either
+    monkeypatch.setitem(sys.modules, "baton.kernels.triton_attn", None)  # no Triton either
     monkeypatch.delattr(kernels, "triton_attn")
     assert kernels.select_backend(CUDA, block_size=16) is torch_attn
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
-from services.serving.sampling_params import SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.request import Request
 
 
 def _ids(blocks) -> list[int]:

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from cli.flags import FLAGS, argv_for, values
-from cli.main import parse
-from router.config import RouterConfig
-from services.engine.config import EngineConfig, SpecConfig
-from services.serving.config import ServiceConfig
-from services.worker.config import WorkerConfig
+from baton.cli.flags import FLAGS, argv_for, values
+from baton.cli.main import parse
+from baton.router.config import RouterConfig
+from baton.services.engine.config import EngineConfig, SpecConfig
+from baton.services.rpc.config import ServiceConfig
+from baton.services.worker.config import WorkerConfig
 from tests.e2e.topology import ROOT
 
 
@@ -40,7 +40,7 @@ def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
 
 def test_help_shows_every_flags_variable_and_default():
     for role in ("router", "prefill", "decode", "colocated"):
-        out = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", role, "--help"],
+        out = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", role, "--help"],
                              capture_output=True, text=True, cwd=ROOT, check=True,
                              env={"COLUMNS": "300", "PATH": ""}).stdout
         for flag in FLAGS:
@@ -70,7 +70,7 @@ def test_boolean_variables_mean_what_they_say(monkeypatch, raw, want):
     ({"BATON_KV_CACHE_GIB": "-1"}, "kv_cache_gib must be > 0"),
 ])
 def test_a_bad_value_gets_one_line_naming_it(env, says):
-    proc = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", "decode"],
+    proc = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", "decode"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60,
                           env={**env, "PATH": ""})
     assert proc.returncode != 0
@@ -144,7 +144,7 @@ def test_the_loading_flags_reach_the_engine_and_the_router(monkeypatch):
 
 def test_the_cluster_token_reaches_each_cluster_role_but_never_help_or_a_childs_argv(
         monkeypatch):
-    from cli.up import cluster_env
+    from baton.cli.up import cluster_env
 
     token = "t0ken-" * 4
     for role in ("router", "prefill", "decode"):
@@ -152,7 +152,7 @@ def test_the_cluster_token_reaches_each_cluster_role_but_never_help_or_a_childs_
         assert ServiceConfig(**got["service"]).cluster_secret() == token
     # The colocated role has no cluster: its worker is in its own process.
     assert "cluster_token" not in _configs("colocated", monkeypatch=monkeypatch)["service"]
-    out = subprocess.run([sys.executable, "-m", "cli", "serve", "--role", "decode", "--help"],
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", "decode", "--help"],
                          capture_output=True, text=True, cwd=ROOT, check=True,
                          env={"COLUMNS": "300", "PATH": "", "BATON_CLUSTER_TOKEN": token}
                          ).stdout

@@ -1,4 +1,4 @@
-"""Only the cluster gets in (services/serving/cluster.py), over real gRPC on loopback and
+"""Only the cluster gets in (services/rpc/cluster.py), over real gRPC on loopback and
 without a model: a worker refuses any call but health without the cluster token; the
 router and the decode worker send it on every call to a worker; a decode worker pairs
 only with a prefill worker that proves it holds the token (or whose certificate our CA
@@ -14,18 +14,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.decode_worker.peers import Peers
+from baton.decode_worker.server import DecodeServicer
+from baton.kv_transfer.base import KVLayout, KVReceiver, TransferState
+from baton.prefill_worker.server import PrefillServicer
+from baton.router.clients import GrpcWorkerClient
+from baton.services.rpc.cluster import METADATA_KEY, ClusterToken
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.errors import FailedPrecondition
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from decode_worker.peers import Peers
-from decode_worker.server import DecodeServicer
-from kv_transfer.base import KVLayout, KVReceiver, TransferState
-from prefill_worker.server import PrefillServicer
-from router.clients import GrpcWorkerClient
-from services.serving.cluster import METADATA_KEY, ClusterToken
-from services.serving.config import ServiceConfig
-from services.serving.errors import FailedPrecondition
-from services.serving.security import Security
-from services.serving.server import Lifecycle, make_server, service_name
 from tests.e2e.certs import CA
 
 TOKEN, OTHER = "a" * 16 + "-cluster-secret", "b" * 16 + "-another-secret"
@@ -73,6 +73,10 @@ class Everything(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         self._saw("ReleaseKv", context)
         return wk.ReleaseKvResponse()
 
+    async def AbortPrefill(self, request, context):
+        self._saw("AbortPrefill", context)
+        return wk.AbortPrefillResponse()
+
     async def Handshake(self, request, context):
         self._saw("Handshake", context)
         return wk.HandshakeResponse()
@@ -116,7 +120,9 @@ def test_a_worker_takes_no_call_without_the_token_but_health_stays_open():
                     assert health.status == health_pb2.HealthCheckResponse.SERVING, why
                     calls = [wk_grpc.WorkerServiceStub(channel).GetStats(wk.GetStatsRequest()),
                              wk_grpc.PrefillServiceStub(channel).Handshake(
-                                 wk.HandshakeRequest())]
+                                 wk.HandshakeRequest()),
+                             wk_grpc.PrefillServiceStub(channel).AbortPrefill(
+                                 wk.AbortPrefillRequest(request_id="r"))]
                     for call in calls:
                         if why == "the token":
                             await call
@@ -141,6 +147,7 @@ def test_the_router_and_the_decode_worker_send_the_token_on_every_call():
         try:
             await router.prefill(wk.PrefillRequest(), timeout=5)
             await router.release("r", 1)
+            await router.abort_prefill("r", timeout=5)
             assert [m async for m in router.decode(wk.DecodeRequest(), timeout=5)]
             await router.connect("elsewhere:1")
             await router.stats(timeout=5)
@@ -217,6 +224,26 @@ def test_a_prefill_worker_that_cannot_prove_the_token_is_refused(impostor):
     under another token: the decode worker neither pairs with it nor sees its agent."""
     with pytest.raises(FailedPrecondition, match="cannot prove"):
         asyncio.run(_connect(_security(TOKEN), _prefill(impostor)))
+
+
+def test_a_known_peer_that_fails_the_proof_on_reconnect_is_forgotten():
+    """An address we had paired (and verified) answers a new handshake without the proof
+    (another process took the port, or the token leaked and changed): we drop what we knew
+    of it, so nothing more is pulled from it under the old pairing."""
+    async def go():
+        server, address = await _serve({"PrefillService": _prefill(ClusterToken(None))})
+        peers = Peers(_security(TOKEN))
+        peers.add("prefill-1", address, verified=True)
+        servicer = DecodeServicer(_aengine(), "decode-1", "fake", peers, Transport())
+        try:
+            with pytest.raises(FailedPrecondition, match="cannot prove"):
+                await servicer._connect(address, again=True)
+            return dict(peers.by_address), set(peers.verified)
+        finally:
+            peers.close()
+            await server.stop(0)
+
+    assert asyncio.run(go()) == ({}, set())
 
 
 def test_a_prefill_worker_with_another_token_refuses_us_and_we_say_so():

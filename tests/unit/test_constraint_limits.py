@@ -1,4 +1,4 @@
-"""The bounds on a structured-output constraint (services/serving/constraint_limits.py):
+"""The bounds on a structured-output constraint (services/common/constraint_limits.py):
 size, depth and choice count refused where the constraint is built, so the router
 refuses before anything is queued; a schema nested far past what Python's JSON parser
 recurses through is refused as bad input (never a RecursionError), over gRPC and HTTP."""
@@ -13,19 +13,19 @@ import grpc
 import httpx
 import pytest
 
-from baton.v1 import generation_pb2 as gen
-from router.intake import Intake
-from router.openai import app as app_module
-from services.serving.config import ServiceConfig
-from services.serving.constraint_limits import (
+from baton.router.intake import Intake
+from baton.router.openai import app as app_module
+from baton.services.common.constraint_limits import (
     MAX_CHOICES,
     MAX_CONSTRAINT_CHARS,
     MAX_CONSTRAINT_DEPTH,
 )
-from services.serving.errors import InvalidArgument
-from services.serving.sampling_params import StructuredOutput
-from services.serving.security import Security
-from services.serving.server import Lifecycle
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.errors import InvalidArgument
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
+from baton.v1 import generation_pb2 as gen
 
 
 def nested_schema(depth: int) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import SamplingParams
-from services.engine.cuda_graphs import CudaGraphRunner, batch_buckets
+from baton.services.engine import SamplingParams
+from baton.services.engine.cuda_graphs import CudaGraphRunner, batch_buckets
 
 
 def test_buckets_cover_every_batch_size():
@@ -24,6 +24,7 @@ def _prompts(llm, n):
             for i in range(n)]
 
 
+@pytest.mark.slow
 def test_padded_full_width_decode_equals_plain_decode(llm):
     """Decode batches padded to a bucket, over the block table's full width, with padding
     rows writing to the null block, give exactly the unpadded result."""

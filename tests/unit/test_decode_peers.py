@@ -1,18 +1,21 @@
 """A decode worker's prefill peers hold channels and locks only while they are of use: a
 failed handshake leaves none behind, a peer forgotten takes its own, a restart at the
-same address keeps the channel, and known peers are bounded (the oldest go first)."""
+same address keeps the channel, and known peers are bounded (the oldest go first). Each
+lease handed to a decode call is released once."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-import decode_worker.peers as peers_module
-from decode_worker.peers import Peers
-from services.serving.config import ServiceConfig
-from services.serving.security import Security
+import baton.decode_worker.peers as peers_module
+from baton.decode_worker.peers import Peers
+from baton.kv_transfer.base import KVHandle
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
 
 
 def _peers() -> Peers:
@@ -82,5 +85,60 @@ def test_known_peers_are_bounded_and_take_their_channels_along(monkeypatch):
         assert last not in peers._aio and "e11-restarted" not in peers.address
         await asyncio.wait(list(peers._tasks))  # the channels' closes
         assert channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+    asyncio.run(main())
+
+
+class _Prefill:
+    """A prefill worker's ReleaseKv: True the first time a lease is named, as the lease
+    table answers."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    async def ReleaseKv(self, request, timeout):  # noqa: N802 - the stub's name
+        self.calls.append((request.request_id, request.lease_id))
+        return SimpleNamespace(released=self.calls.count(self.calls[-1]) == 1)
+
+
+async def _known(prefill: _Prefill) -> Peers:
+    peers = _peers()
+    peers.add("p", "10.0.0.1:9")
+    peers.stub = lambda address: prefill
+    return peers
+
+
+@pytest.mark.parametrize("pulled", [True, False])
+def test_a_decode_call_releases_its_lease_once_whichever_path_ends_it(pulled):
+    """The lease check's release (a pull landed) or the load's end (no pull): one
+    ReleaseKv either way, however often the load is said to be over."""
+    async def main():
+        prefill = _Prefill()
+        peers = await _known(prefill)
+        handle = KVHandle("p", "r", 7, (1,), 4)
+        with peers.holding(handle) as over:
+            if pulled:
+                assert await asyncio.wrap_future(peers.confirm(handle))
+            over()  # the first output
+        await asyncio.sleep(0.01)  # a background release runs
+        assert prefill.calls == [("r", 7)] and not peers._held
+        peers.close()
+
+    asyncio.run(main())
+
+
+def test_a_pull_confirmed_after_its_call_ended_is_not_trusted():
+    """The call ended (and released) before its abandoned pull landed: the check asks
+    again and hears that the lease is no longer held."""
+    async def main():
+        prefill = _Prefill()
+        peers = await _known(prefill)
+        handle = KVHandle("p", "r", 7, (1,), 4)
+        with peers.holding(handle):
+            pass
+        await asyncio.sleep(0.01)
+        assert not await asyncio.wrap_future(peers.confirm(handle))
+        assert prefill.calls == [("r", 7), ("r", 7)]
+        peers.close()
 
     asyncio.run(main())

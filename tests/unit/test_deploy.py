@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.serving.server import LIVENESS
+from baton.services.rpc.server import LIVENESS
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import re
 import shlex
-from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 import yaml
 
-from services.serving.default_model import GGUF_NAME
-from services.serving.tokenizer import tokenizer_dir
+from baton.services.common.default_model import GGUF_NAME
+from baton.services.common.tokenizer import tokenizer_dir
 from tests.unit.test_deploy import ROOT, SECRET_VARIABLES
 
 # -- docker compose -------------------------------------------------------------------
@@ -174,14 +173,13 @@ def _copied(stages, ops) -> set[str]:
 def test_both_images_copy_every_package_pyproject_installs():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    find = pyproject["tool"]["setuptools"]["packages"]["find"]
+    setup = pyproject["tool"]["setuptools"]
     needed = {"pyproject.toml", "README.md"}
-    for where in find["where"]:  # top-level packages, as setuptools finds them
-        for d in (ROOT / where).iterdir():
-            if d.is_dir() and d.name.isidentifier() and any(
-                    fnmatch(d.name, pattern) for pattern in find["include"]):
-                needed.add(Path(where, d.name).parts[0])
-    assert {"services", "protos", "cli"} <= needed  # the finder saw the project
+    for package in setup["packages"]:  # the folder each installed package comes from
+        parent = max((p for p in setup["package-dir"] if package == p or
+                      package.startswith(p + ".")), key=len, default=None)
+        needed.add(Path(setup["package-dir"][parent] if parent else package).parts[0])
+    assert {"services", "protos", "cli", "tools"} <= needed  # pyproject lists the project
     stages = _stages()
     for image in ("router", "worker"):
         missing = needed - _copied(stages, _chain(stages, image))

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from services.engine.default_model import ensure_default_model
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.tokenizer import load_tokenizer
+from baton.services.common.tokenizer import load_tokenizer
+from baton.services.engine.default_model import ensure_default_model
+from baton.services.engine.detokenizer import IncrementalDetokenizer
 
 PROMPT = "You are a helpful assistant. Say something:"
 MULTIBYTE = [

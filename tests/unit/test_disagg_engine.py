@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from kv_transfer.base import KVHandle, KVReceiver, TransferState
-from kv_transfer.blocks import read_blocks
-from kv_transfer.fake import FakeConnector
-from kv_transfer.lease_check import LeaseCheckedReceiver
-from services.engine import SamplingParams
+from baton.kv_transfer.base import KVHandle, KVReceiver, TransferState
+from baton.kv_transfer.blocks import read_blocks
+from baton.kv_transfer.fake import FakeConnector
+from baton.kv_transfer.lease_check import LeaseCheckedReceiver
+from baton.services.engine import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -23,10 +23,19 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def pair(make_llm):
+def llm(make_llm, tiny_model):
+    """The one engine the pair must equal (the tiny serving model: what is checked is the
+    handoff, not the model)."""
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=128,
+                    max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def pair(make_llm, tiny_model):
     """A prefill engine and a decode engine, wired through fake connectors; the decode
     engine's pulls are checked against the prefill engine's leases, as a worker's are."""
-    p = make_llm(dtype="float32", max_num_batched_tokens=64).engine
+    model = str(tiny_model)
+    p = make_llm(model=model, dtype="float32", max_num_batched_tokens=64).engine
     made = {}
 
     def receiver(layout, kv_caches):
@@ -36,7 +45,7 @@ def pair(make_llm):
     def p_release(h: KVHandle) -> bool:  # ReleaseKv on the prefill worker, in-process
         return p.release_lease(h.request_id, h.lease_id)
 
-    d = make_llm(dtype="float32", kv_receiver=receiver).engine
+    d = make_llm(model=model, dtype="float32", kv_receiver=receiver).engine
     sender = FakeConnector("prefill-0", p.kv_layout, p.kv_caches)
     made["fake"].add_peer("prefill-0", p.kv_layout, sender.metadata())
     yield p, d, made["fake"]

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from router.clients import GrpcWorkerClient
-from router.config import RouterConfig
-from router.core import Caller
-from router.discovery import Target, resolve
-from router.registry import Registry
-from router.server import build
-from services.serving.server import Lifecycle
+from baton.router.clients import GrpcWorkerClient
+from baton.router.config import RouterConfig
+from baton.router.core import Caller
+from baton.router.discovery import Target, resolve
+from baton.router.registry import Registry
+from baton.router.server import build
+from baton.services.rpc.server import Lifecycle
 from tests.dns_server import DnsServer
 from tests.unit.router_fakes import FAKES, FakeWorker, _serve, expected, request
 

@@ -1,5 +1,6 @@
-"""The engine's public API on the real default model (fp32, CPU): input validation, stop
-conditions, streaming deltas, abort.
+"""The engine's public API: input validation, stop conditions, streaming deltas, abort.
+On the tiny serving model (fp32, CPU): what is checked is the engine's bookkeeping; only
+the EOS test needs the real default model, one that ends its answers.
 
 References are the model's own greedy output (run without the feature under test) and the
 tokenizer; never the engine's code.
@@ -11,10 +12,17 @@ import random
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from baton.services.engine import LLM, SamplingParams
 from tests.unit.engine_helpers import EOS, N_REF, STORY, assert_idle, greedy, run_steps
 
 pytestmark = pytest.mark.usefixtures("start_clean")
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm, tiny_model):
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=128,
+                    max_num_seqs=16)
+
 
 # ---- bad input -----------------------------------------------------------------------
 
@@ -164,7 +172,9 @@ def test_max_tokens_gives_length(llm, ref):
         assert ref.text.startswith(out.text)
 
 
-def test_eos_stops_unless_ignored(llm):
+@pytest.mark.slow
+def test_eos_stops_unless_ignored(make_llm):
+    llm = make_llm(dtype="float32", max_num_batched_tokens=128, kv_cache_gib=0.05)
     ids = llm.engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     out = llm.generate([ids], greedy(40))[0]
     assert out.finish_reason == "stop"

@@ -1,5 +1,7 @@
-"""The engine's public API on the real default model (fp32, CPU), continued: seeds,
-scheduling policy, logprobs, preemption, chat.
+"""The engine's public API, continued: seeds, scheduling policy, logprobs, preemption,
+chat. On the tiny serving model (fp32, CPU): what is checked is the engine's sampling and
+logprob path, so HF transformers runs the same weights; only the chat answer needs the
+real default model.
 
 References are HF transformers' logits, the model's own greedy output without the feature
 under test, and the tokenizer's own chat template; never the engine's code.
@@ -12,8 +14,23 @@ import random
 import pytest
 import torch
 
-from services.engine import SamplingParams
+from baton.services.engine import SamplingParams
 from tests.unit.engine_helpers import STORY, assert_idle, greedy, run_steps
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm, tiny_model):
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=128,
+                    max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model):
+    """HF transformers' own Llama over the same weights, in fp32 (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+
 
 # ---- seeds ---------------------------------------------------------------------------
 
@@ -72,7 +89,7 @@ def test_fcfs_runs_the_first_arrival_first(llm, monkeypatch):
 # ---- logprobs ------------------------------------------------------------------------
 
 
-def test_logprobs_match_hf(llm, hf_model):
+def test_logprobs_match_hf(llm, hf_tiny):
     prompt = llm.tokenizer.encode("The capital of France is")
     outs = llm.generate([prompt, prompt, prompt],
                         [greedy(6, logprobs=3, ignore_eos=True),
@@ -85,7 +102,7 @@ def test_logprobs_match_hf(llm, hf_model):
 
     ids = torch.tensor([prompt + out.token_ids])
     with torch.no_grad():
-        logits = hf_model(ids).logits[0].float()
+        logits = hf_tiny(ids).logits[0].float()
     ref = torch.log_softmax(logits, dim=-1)
     for j, tok in enumerate(out.token_ids):
         row = ref[len(prompt) + j - 1]  # the position that predicts output token j
@@ -101,7 +118,7 @@ def test_logprobs_match_hf(llm, hf_model):
         assert out0.logprobs[j][tok] == pytest.approx(row[tok].item(), abs=1e-3)
 
 
-def test_logprobs_of_sampled_tokens_are_raw_model_logprobs(llm, hf_model):
+def test_logprobs_of_sampled_tokens_are_raw_model_logprobs(llm, hf_tiny):
     # At a high temperature some sampled tokens are not the model's best; the dict still
     # holds the sampled token plus exactly the top 1, and the values are the raw model's
     # (before temperature), as in vLLM.
@@ -110,7 +127,7 @@ def test_logprobs_of_sampled_tokens_are_raw_model_logprobs(llm, hf_model):
                                                 logprobs=1, ignore_eos=True))[0]
     assert len(out.logprobs) == 12
     with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        logits = hf_tiny(torch.tensor([prompt + out.token_ids])).logits[0].float()
     ref = torch.log_softmax(logits, dim=-1)
     off_top = 0
     for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
@@ -158,7 +175,7 @@ def test_preemption_keeps_outputs_correct(small, llm):
 # ---- chat ----------------------------------------------------------------------------
 
 
-def test_chat_template_and_answer(llm):
+def test_chat_template_and_answer(llm, make_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tok = llm.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -169,6 +186,8 @@ def test_chat_template_and_answer(llm):
     assert decoded.endswith("<|im_start|>assistant\n")
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in decoded
 
-    out = llm.chat(messages, greedy(24))
+    # The answer is the real model's: the template is the one it was trained on.
+    real = make_llm(dtype="float32", max_num_batched_tokens=128, kv_cache_gib=0.05)
+    out = real.chat(messages, greedy(24))
     assert out.prompt_token_ids == want
     assert "Paris" in out.text

@@ -10,10 +10,10 @@ import time
 
 from grpc_health.v1 import health_pb2
 
-from services.engine.outputs import EngineStats
-from services.serving.server import NOT_SERVING, SERVING, Lifecycle
-from services.worker.async_engine import AsyncEngine
-from services.worker.watchdog import watch
+from baton.services.engine.outputs import EngineStats
+from baton.services.rpc.server import NOT_SERVING, SERVING, Lifecycle
+from baton.services.worker.async_engine import AsyncEngine
+from baton.services.worker.watchdog import watch
 
 STALL_S = 0.2
 

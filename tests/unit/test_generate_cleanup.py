@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import SamplingParams
+from baton.services.engine import SamplingParams
 
 
 def test_an_error_mid_generate_leaves_no_request_behind(llm, monkeypatch):

@@ -9,14 +9,14 @@ import os
 import pytest
 import torch
 
-from services.engine import gguf_cache
-from services.engine.loader import load_gguf
+from baton.services.engine import gguf_cache
+from baton.services.engine.loader import load_gguf
 from tests.tiny_models import build, gguf_ready_config, write_gguf
 
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory, model_path):
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     folder = tmp_path_factory.mktemp("gguf")

@@ -13,18 +13,20 @@ import time
 import grpc
 import pytest
 
+from baton.decode_worker.peers import Peers
+from baton.decode_worker.server import DecodeServicer
+from baton.router.clients import LocalContext
+from baton.router.openai.app import api_error
+from baton.services.common.capacity import AtCapacity
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.engine import grammar_compiler
+from baton.services.engine.grammar_compiler import GrammarCompiler
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import status_of
+from baton.services.worker.async_engine import AsyncEngine
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
-from decode_worker.peers import Peers
-from decode_worker.server import DecodeServicer
-from router.clients import LocalContext
-from services.engine import grammar_compiler
-from services.engine.grammar_compiler import GrammarCompiler
-from services.serving.config import ServiceConfig
-from services.serving.errors import Overloaded
-from services.serving.sampling_params import StructuredOutput
-from services.serving.security import Security
-from services.worker.async_engine import AsyncEngine
 
 
 def regex(text: str) -> StructuredOutput:
@@ -75,7 +77,7 @@ def test_a_compile_past_the_time_limit_fails_at_once_and_still_holds_its_slot(sl
         compiler.compile(regex("a+"))
     assert time.monotonic() - start < 2
     # xgrammar cannot be stopped: the thread is still busy, so the slot stays taken.
-    with pytest.raises(Overloaded):
+    with pytest.raises(AtCapacity):
         compiler.submit(regex("b+"))
     slow.release.set()
     wait_until(lambda: not compiler._pending)
@@ -88,10 +90,14 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(slow):
     compiler = make(threads=1, max_pending=2)
     first, second = compiler.submit(regex("a")), compiler.submit(regex("b"))
     again = compiler.submit(regex("a"))  # the same constraint joins its compile
-    with pytest.raises(Overloaded) as e:
+    with pytest.raises(AtCapacity) as e:
         compiler.submit(regex("c"))
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.retry_after_s > 0
-    assert "limit 2" in str(e.value)
+    # The engine's own exception (no gRPC below the shell): the shell answers
+    # RESOURCE_EXHAUSTED, the HTTP API 429, each with the retry hint.
+    assert status_of(e.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.retry_after_s > 0 and "limit 2" in str(e.value)
+    error = api_error(e.value)
+    assert error.status == 429 and error.headers["Retry-After"] == "1"
     slow.release.set()
     assert [f.result(5) for f in (first, second, again)] == [
         ("compiled", "a"), ("compiled", "b"), ("compiled", "a")]

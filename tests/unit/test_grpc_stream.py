@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from kv_transfer.base import KVHandle, KVLayout, TransferState
-from kv_transfer.blocks import read_blocks
-from kv_transfer.grpc_stream import GrpcStreamReceiver
+from baton.kv_transfer.base import KVHandle, KVLayout, TransferState
+from baton.kv_transfer.blocks import read_blocks
+from baton.kv_transfer.grpc_stream import GrpcStreamReceiver
 
 LAYOUT = KVLayout("m", "float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 BLOCKS = 12

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from services.engine import SamplingParams
+from baton.services.engine import SamplingParams
 
 TEXTS = [
     "The capital of France is",
@@ -37,6 +38,7 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_with_chunks_and_preemption(make_llm, hf_model):
     # ~100 blocks of 16 tokens: far less than the 18 requests need together.
     llm = make_llm(dtype="float32", max_num_batched_tokens=96, max_num_seqs=18,

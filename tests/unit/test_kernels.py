@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_decode, reference, torch_attn
-from kernels.metadata import AttentionMetadata, count_shared_blocks
+from baton.kernels import cpu_decode, reference, torch_attn
+from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from tests.kernel_batch import make_batch as _make_batch
 
 

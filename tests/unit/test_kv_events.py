@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 import time
 
+from baton.router.kv_index import PrefixIndex, PromptBlocks
+from baton.services.common.kv_events import KvEventLog
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.block_pool import BlockPool
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.request import Request
 from baton.v1 import worker_pb2 as wk
-from router.kv_index import PrefixIndex, PromptBlocks
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request
-from services.serving.kv_events import KvEventLog
-from services.serving.sampling_params import SamplingParams
 
 
 def _h(i: int) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from router.kv_index import PromptBlocks
+from baton.router.kv_index import PromptBlocks
 from tests.unit.router_fakes import cluster, expected, tokens
 
 BS = 16

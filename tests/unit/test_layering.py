@@ -1,6 +1,6 @@
 """The structure, measured from the imports (shared/DESIGN.md): which folder may import
-which, no import cycle, no hand-written file over 400 lines, and the parts that must load
-without torch do."""
+which, everything imported under the one `baton.` namespace, no import cycle, no
+hand-written file over 400 lines, and the parts that must load without torch do."""
 
 from __future__ import annotations
 
@@ -9,30 +9,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"protos", "baton", "services", "router", "prefill_worker", "decode_worker",
-        "kv_transfer", "kernels", "cli", "baton_client"}
+# The repository's top-level folders that install as baton.<folder> (pyproject.toml).
+FOLDERS = {"services", "router", "prefill_worker", "decode_worker", "kv_transfer", "kernels",
+           "cli", "tools"}
+OURS = FOLDERS | {"protos", "baton", "baton_client"}
 CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
-# Folder (or sub-package) -> project packages (dotted prefixes) it may import, besides
-# itself. The most specific folder applies.
+STUBS = "baton.v1"  # the generated stubs (protos/baton/v1)
+# Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine (and
+# the KV transfer contract); services/rpc (the gRPC shell); services/worker; the workers and
+# the router; cli and tools on top.
+# Folder (or sub-package) -> project packages (dotted prefixes, `baton.` left out) it may
+# import, besides itself. The most specific folder applies.
 ALLOWED = {
     "kernels": set(),
-    "protos": {"baton"},  # generated stubs import each other as baton.v1.*
-    "kv_transfer": {"protos", "baton"},
-    "services": {"kernels", "protos", "baton", "services", *CONTRACT},
-    "services/serving": {"protos", "baton", "services.serving", "kv_transfer.base"},
-    "services/engine": {"kernels", "services.engine", "services.serving", *CONTRACT},
-    "router": {"protos", "baton", "services.serving"},
-    "prefill_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
-    "decode_worker": {"services", "kv_transfer", "kernels", "protos", "baton"},
+    "protos": {STUBS},  # generated stubs import each other as baton.v1.*
+    "kv_transfer": {STUBS},
+    "services": {"kernels", STUBS, "services", *CONTRACT},
+    "services/common": set(),
+    "services/engine": {"kernels", "services.common", *CONTRACT},
+    "services/rpc": {STUBS, "services.common", "kv_transfer.base"},
+    "router": {STUBS, "services.common", "services.rpc"},
+    "prefill_worker": {"services", "kv_transfer", "kernels", STUBS},
+    "decode_worker": {"services", "kv_transfer", "kernels", STUBS},
     "cli": OURS,
-    "baton_client": {"protos", "baton"},  # the public client: the stubs and nothing else
+    "tools": OURS,
+    "baton_client": {STUBS},  # the public client: the stubs and nothing else
 }
-FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/serving": {"torch"},
-                         "kv_transfer/base.py": {"torch"},
+FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/common": {"torch", "grpc"},
+                         "services/rpc": {"torch"}, "kv_transfer/base.py": {"torch"},
                          "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 MAX_LINES = 400
+
+
+def _local(name: str) -> str:
+    """`baton.services.engine.x` -> `services.engine.x`: the folder it lives in."""
+    parts = name.split(".")
+    return ".".join(parts[1:]) if parts[0] == "baton" and parts[1:2] and parts[1] in FOLDERS \
+        else name
 
 
 def _imports(path: Path) -> list[str]:
@@ -75,15 +92,20 @@ def _violations(root: Path) -> list[str]:
         folder, allowed = rule
         forbidden = set().union(*(v for k, v in FORBIDDEN_THIRD_PARTY.items()
                                   if rel == k or rel.startswith(k + "/")))
-        for name in _imports(path):
+        for raw in _imports(path):
+            if raw.split(".")[0] in FOLDERS:
+                bad.append(f"{rel} imports {raw} outside the baton namespace")
+            name = _local(raw)
             top = name.split(".")[0]
+            if name == "baton":
+                continue
             if top in forbidden:
-                bad.append(f"{rel} imports {name}")
+                bad.append(f"{rel} imports {raw}")
             own = folder.replace("/", ".")
             if top not in OURS or name == own or name.startswith(own + "."):
                 continue
             if not any(name == a or name.startswith(a + ".") for a in allowed):
-                bad.append(f"{rel} imports {name}")
+                bad.append(f"{rel} imports {raw}")
     return sorted(set(bad))
 
 
@@ -96,7 +118,7 @@ def _module_graph(root: Path) -> dict[str, set[str]]:
         mods[name] = path
     graph = {}
     for name, path in mods.items():
-        graph[name] = {n for n in _imports(path) if n in mods and n != name}
+        graph[name] = {n for n in map(_local, _imports(path)) if n in mods and n != name}
     return graph
 
 
@@ -154,12 +176,14 @@ def test_no_hand_written_file_over_400_lines():
 
 def test_router_cli_and_the_transfer_contract_load_without_torch():
     code = ("import sys\n"
-            "import router.server, router.registry, kv_transfer.base, kv_transfer\n"
-            "import cli.main, cli.flags, services.serving.server, services.engine.config\n"
+            "import baton.router.server, baton.router.registry, baton.kv_transfer\n"
+            "import baton.cli.main, baton.cli.flags, baton.services.rpc.server\n"
+            "import baton.services.engine.config\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-    contract = ("import sys\nimport kv_transfer.base\n"
-                "bad = {'torch', 'transformers', 'services.engine.engine'} & set(sys.modules)\n"
+    contract = ("import sys\nimport baton.kv_transfer.base\n"
+                "bad = {'torch', 'transformers', 'baton.services.engine.engine'}\n"
+                "bad &= set(sys.modules)\n"
                 "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", contract], check=True, cwd=ROOT)
 
@@ -169,21 +193,46 @@ def test_the_checks_see_violations(tmp_path):
     # decode worker importing the prefill worker, the engine importing a worker through
     # import_module, and a cycle, are all caught; allowed imports pass.
     for folder, text in {
-        "router/x.py": "import torch\nfrom services.engine import LLM\n"
-                       "from services.serving import a\n",
-        "decode_worker/y.py": "import prefill_worker.z\nimport kv_transfer\n",
-        "services/engine/e.py": "import importlib\nimportlib.import_module('services.worker.w')\n"
-                                "from kv_transfer.base import KVHandle\n",
-        "kernels/a.py": "import kernels.b\n",
-        "kernels/b.py": "import kernels.a\n",
+        "router/x.py": "import torch\nfrom baton.services.engine import LLM\n"
+                       "from baton.services.rpc import a\nimport services.common.b\n",
+        "decode_worker/y.py": "import baton.prefill_worker.z\nimport baton.kv_transfer\n",
+        "services/engine/e.py": "import importlib\n"
+                                "importlib.import_module('baton.services.worker.w')\n"
+                                "from baton.kv_transfer.base import KVHandle\n",
+        "kernels/a.py": "import baton.kernels.b\n",
+        "kernels/b.py": "import baton.kernels.a\n",
     }.items():
         (tmp_path / folder).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / folder).write_text(text)
     assert _violations(tmp_path) == [
-        "decode_worker/y.py imports prefill_worker.z",
-        "router/x.py imports services.engine",
-        "router/x.py imports services.engine.LLM",
+        "decode_worker/y.py imports baton.prefill_worker.z",
+        "router/x.py imports baton.services.engine",
+        "router/x.py imports baton.services.engine.LLM",
+        "router/x.py imports services.common.b outside the baton namespace",
         "router/x.py imports torch",
-        "services/engine/e.py imports services.worker.w",
+        "services/engine/e.py imports baton.services.worker.w",
     ]
     assert _cycles(_module_graph(tmp_path)) == [["kernels.a", "kernels.b"]]
+
+
+def test_the_engine_loads_without_grpc():
+    # The engine raises its own errors (ValueError, services/common/capacity.AtCapacity);
+    # only the gRPC shell above it turns them into status codes.
+    code = ("import sys\n"
+            "import baton.services.common.limits, baton.services.engine.grammar_compiler\n"
+            "import baton.services.engine.engine\n"
+            "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_pyproject_ships_every_package_under_baton():
+    # Every package of the checkout is installed, and under baton.* only (baton_client, the
+    # public client, keeps its own name).
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    here = {"baton", "baton.v1", "baton_client"} | {
+        "baton." + p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+    assert set(tool["packages"]) == here
+    assert tool["package-dir"] == {"baton": "protos/baton",
+                                   **{f"baton.{f}": f for f in FOLDERS}}

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.engine import LLM, SamplingParams
-from services.engine.model_config import ModelConfig
-from services.engine.models.layers import rope_inv_freq
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.model_config import ModelConfig
+from baton.services.engine.models.layers import rope_inv_freq
 
 
 def test_gguf_weights_equal_transformers_gguf_reader(llm, hf_model):
@@ -76,8 +76,8 @@ def test_hf_directory_with_llama3_rope_matches_hf(tmp_path, llm):
 
 
 def test_a_missing_part_of_a_fused_weight_is_an_error(model_path):
-    from services.engine.loader import load_checkpoint
-    from services.engine.models.llama import LlamaForCausalLM
+    from baton.services.engine.loader import load_checkpoint
+    from baton.services.engine.models.llama import LlamaForCausalLM
 
     config, weights = load_checkpoint(model_path)
     model = LlamaForCausalLM(config, 64, torch.float32, torch.device("cpu"), None)

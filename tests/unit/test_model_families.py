@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.model_runner import kv_bytes_per_block
+from baton.services.rpc.convert import sampling_params
 from baton.v1 import generation_pb2 as gen
-from services.engine import LLM, SamplingParams
-from services.engine.model_runner import kv_bytes_per_block
-from services.worker.messages import sampling_params
 from tests.tiny_models import FAMILIES, WINDOW, build, hf_greedy
 
 MAX_NEW = 12
@@ -22,7 +22,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path):
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 
@@ -134,6 +134,7 @@ def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path, qwen_di
     assert 7 not in ignored.engine.model_info.eos_token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3"])
 def test_gguf_of_a_family_matches_transformers(family, tmp_path, tokenizer):
     """A llama.cpp-layout GGUF (F32) of a tiny model serves the same greedy tokens as the
@@ -194,7 +195,7 @@ def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from services.engine.loader import load_gguf
+    from baton.services.engine.loader import load_gguf
 
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'.*llama, qwen2"):
         load_gguf(tmp_path / "g.gguf")
@@ -207,7 +208,7 @@ def test_real_configs_resolve_as_their_models_run():
 
     from transformers import AutoConfig
 
-    from services.engine.model_config import ModelConfig
+    from baton.services.engine.model_config import ModelConfig
 
     def v5(**kw):
         return ModelConfig.from_hf(AutoConfig.for_model(**kw))
@@ -243,7 +244,7 @@ def test_real_configs_resolve_as_their_models_run():
 def test_generation_config_top_k_zero_is_off_and_a_bad_value_names_the_file(tmp_path):
     from transformers import GenerationConfig
 
-    from services.engine.generation_config import read_generation_config
+    from baton.services.engine.generation_config import read_generation_config
 
     GenerationConfig(do_sample=True, top_k=0, temperature=0.7).save_pretrained(tmp_path)
     assert read_generation_config("auto", tmp_path)[1] == {"temperature": 0.7, "top_k": -1}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM
-from services.serving.model_source import model_name, resolve_model, resolve_tokenizer
+from baton.services.common.model_source import model_name, resolve_model, resolve_tokenizer
+from baton.services.engine import LLM
 from tests.tiny_models import build, put_in_hub_cache
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
@@ -14,7 +14,7 @@ COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, model_path):
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("models") / "tiny-qwen3"
     build("qwen3", folder, load_tokenizer(model_path))
@@ -83,7 +83,7 @@ def test_a_snapshot_path_is_named_by_its_hub_id_and_pairs_by_commit(hub):
     """Given as a hub id or as the path of its cache snapshot, a model has one name (so
     workers started either way pair), and its KV layout carries the commit (so workers on
     different revisions never do)."""
-    from services.serving.model_source import model_commit
+    from baton.services.common.model_source import model_commit
 
     snap = resolve_model("org/tiny-qwen3")
     assert model_name(str(snap), snap) == model_name("org/tiny-qwen3", snap) == "org/tiny-qwen3"
@@ -109,7 +109,7 @@ def test_a_router_needs_only_the_gguf_tokenizer_folder(tmp_path):
 def test_an_unsupported_hub_model_is_refused_before_its_weights(hub, tmp_path):
     """config.json is read first: a GPT-2 repository fails without fetching weights (the
     cache holds only its config, so fetching anything more would fail offline too)."""
-    from services.engine.loader import resolve_model_path
+    from baton.services.engine.loader import resolve_model_path
 
     only_config = tmp_path / "gpt2"
     only_config.mkdir()

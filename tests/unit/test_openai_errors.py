@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from baton.router.intake import Intake
+from baton.router.openai import app as app_module
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from router.intake import Intake
-from router.openai import app as app_module
-from services.serving.config import ServiceConfig
-from services.serving.security import Security
-from services.serving.server import Lifecycle
 
 
 def call(method: str, path: str, model_info=None, **kw) -> httpx.Response:
@@ -71,10 +71,10 @@ def test_an_uncaught_exception_is_a_500_and_is_logged(caplog):
     def broken():
         raise RuntimeError("the model registry broke")
 
-    with caplog.at_level(logging.ERROR, logger="router.openai.errors"):
+    with caplog.at_level(logging.ERROR, logger="baton.router.openai.errors"):
         error = error_of(call("GET", "/v1/models", model_info=broken), 500)
     assert error == {"message": "internal server error", "type": "server_error",
                      "param": None, "code": None}  # no internals shown to the caller
-    logged = [r for r in caplog.records if r.name == "router.openai.errors"]
+    logged = [r for r in caplog.records if r.name == "baton.router.openai.errors"]
     assert len(logged) == 1 and "GET /v1/models" in logged[0].getMessage()
     assert "the model registry broke" in str(logged[0].exc_info[1])

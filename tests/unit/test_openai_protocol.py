@@ -12,16 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.metrics import RouterMetrics
-from router.openai import app as app_module
-from router.openai.protocol import ChatRequest, CompletionRequest
-from router.openai.render import param_of
-from services.engine.outputs import EngineStats
-from services.serving.config import ServiceConfig
-from services.serving.errors import InvalidArgument
-from services.serving.security import Security
-from services.serving.server import Lifecycle
-from services.worker.metrics import WorkerMetrics
+from baton.router.metrics import RouterMetrics
+from baton.router.openai import app as app_module
+from baton.router.openai.protocol import ChatRequest, CompletionRequest
+from baton.router.openai.render import param_of
+from baton.services.engine.outputs import EngineStats
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.errors import InvalidArgument
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
+from baton.services.worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,6 @@
 """Prefix caching: same text as without it, exact cached-token accounting, salts that
-isolate, and eviction that stays correct."""
+isolate, and eviction that stays correct. On the tiny serving model: what is checked is
+the cache's bookkeeping, against the same model without a cache."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import random
 
 import pytest
 
-from services.engine import SamplingParams
-from services.serving.block_hash import extend_hashes, hash_block
+from baton.services.common.block_hash import extend_hashes, hash_block
+from baton.services.engine import SamplingParams
+from tests.unit.engine_helpers import kv_gib
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -18,15 +20,16 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cached(make_llm):
-    return make_llm(dtype="float32", max_num_batched_tokens=256, max_num_seqs=16,
-                    kv_cache_gib=0.1)
+def cached(make_llm, tiny_model):
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=256,
+                    max_num_seqs=16, kv_cache_gib=kv_gib(tiny_model, 1000))
 
 
 @pytest.fixture(scope="module")
-def uncached(make_llm):
-    return make_llm(dtype="float32", max_num_batched_tokens=256, max_num_seqs=16,
-                    kv_cache_gib=0.1, enable_prefix_caching=False)
+def uncached(make_llm, tiny_model):
+    return make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=256,
+                    max_num_seqs=16, kv_cache_gib=kv_gib(tiny_model, 1000),
+                    enable_prefix_caching=False)
 
 
 def test_hash_chain_names_the_whole_prefix():
@@ -101,10 +104,10 @@ def test_stats_and_reset(cached):
     assert cached.generate([prompt], GREEDY)[0].num_cached_tokens == 0
 
 
-def test_eviction_keeps_outputs_identical(make_llm, uncached):
-    # ~40 blocks: the cached blocks of earlier prompts get evicted and reused.
-    tiny = make_llm(dtype="float32", max_num_batched_tokens=128, max_num_seqs=4,
-                    kv_cache_gib=0.028)
+def test_eviction_keeps_outputs_identical(make_llm, uncached, tiny_model):
+    # 40 blocks: the cached blocks of earlier prompts get evicted and reused.
+    tiny = make_llm(model=str(tiny_model), dtype="float32", max_num_batched_tokens=128,
+                    max_num_seqs=4, kv_cache_gib=kv_gib(tiny_model, 40))
     rng = random.Random(7)
     shared = _ids(rng, 150)
     prompts = [shared[: rng.choice([20, 70, 150])] + _ids(rng, rng.randint(5, 120))
@@ -119,7 +122,7 @@ def test_eviction_keeps_outputs_identical(make_llm, uncached):
 
 
 def test_pool_hit_leaves_the_free_queue_middle_and_eviction_is_lazy():
-    from services.engine.block_pool import BlockPool
+    from baton.services.engine.block_pool import BlockPool
 
     pool = BlockPool(6)
     a, b, c = pool.get_new_blocks(3)

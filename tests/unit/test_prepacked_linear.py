@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine import SamplingParams
-from services.engine.models.layers import linear, prepack
+from baton.services.engine import SamplingParams
+from baton.services.engine.models.layers import linear, prepack
 
 
 @pytest.mark.skipif(prepack(torch.zeros(8, 8, dtype=torch.bfloat16)) is None,

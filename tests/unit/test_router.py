@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.router.clients import WorkerError
 from baton.v1 import generation_pb2 as gen
 from tests.unit.router_fakes import PROMPT, cluster, expected, request, tokens
 
@@ -121,6 +122,30 @@ def test_the_prefill_lease_is_released_on_every_way_out(tok, exit_path):
             assert c.leases_held() == 0, c.prefill[0].leases
             # Every release named its lease: a worker refuses lease 0 ("any lease").
             assert all(lease for _, lease, _ in c.prefill[0].released)
+
+    run(main())
+
+
+def test_a_prefill_answer_that_arrives_after_the_deadline_has_its_lease_aborted(tok):
+    """The prefill worker answered, lease granted, but the router's call had ended
+    DEADLINE_EXCEEDED: nobody saw the handle, and the worker saw no cancellation. The
+    router ends the lease by request id (AbortPrefill)."""
+    async def main():
+        async with cluster(tok) as c:
+            client = c.registry.prefill[0].client
+            answer = client.prefill
+
+            async def late(req, timeout, metadata=()):
+                await answer(req, timeout, metadata)  # granted, on the worker...
+                raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+
+            client.prefill = late  # ...and lost on the way back
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate(PROMPT, 8)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await c.settle()
+            assert c.leases_held() == 0, c.prefill[0].leases
+            assert c.prefill[0].aborted == c.prefill[0].prefills != []
 
     run(main())
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.tokenizer import load_tokenizer
-from services.serving.tokenizer import Tokenizer
+from baton.services.common.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = ["Hello world", " leading space", "émoji 🙂 and\n\nnewlines\ttabs", "a" * 300,
          "<|im_start|>user\nspecial tokens in text<|im_end|>", "数字 123,456.78"]

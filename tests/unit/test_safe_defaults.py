@@ -14,19 +14,19 @@ import grpc
 import httpx
 import pytest
 
+from baton.cli import up as up_module
+from baton.cli.exposure import open_to_anyone
+from baton.cli.flags import values
+from baton.cli.main import main, parse
+from baton.router.config import RouterConfig
+from baton.router.server import GENERATION_METHODS
+from baton.services.rpc import tracing
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.metrics import serve_metrics
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from cli import up as up_module
-from cli.exposure import open_to_anyone
-from cli.flags import values
-from cli.main import main, parse
-from router.config import RouterConfig
-from router.server import GENERATION_METHODS
-from services.serving import tracing
-from services.serving.config import ServiceConfig
-from services.serving.metrics import serve_metrics
-from services.serving.security import Security
-from services.serving.server import Lifecycle, make_server, service_name
 from tests.e2e.certs import CA
 
 TOKEN = "t" * 32
@@ -87,10 +87,10 @@ def test_a_service_beyond_loopback_with_nothing_to_check_callers_says_so(
 
 
 def test_baton_serve_logs_the_warning(monkeypatch, caplog):
-    import router.server
+    from baton.router import server as router_server
 
     started = []
-    monkeypatch.setattr(router.server, "serve", started.append)
+    monkeypatch.setattr(router_server, "serve", started.append)
     for keys, warned in (([], True), (["--api-key", "k"], False)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, SamplingRow, apply_penalties
-from services.serving.sampling_params import SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.sampler import Sampler, SamplingRow, apply_penalties
 
 
 def row(seed: int | None = None, prompt=(), output=(), **kw) -> SamplingRow:

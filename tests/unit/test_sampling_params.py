@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.engine import SamplingParams
+from baton.services.engine import SamplingParams
 
 
 @pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty",

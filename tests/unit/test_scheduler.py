@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.outputs import SampledTokens
-from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler
-from services.serving.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.block_pool import BlockPool
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.outputs import SampledTokens
+from baton.services.engine.request import Request, RequestStatus
+from baton.services.engine.scheduler import Scheduler
 
 BS = 4  # tokens per block
 
@@ -156,9 +156,9 @@ def test_kv_hold_ends_prefilled_under_a_lease_that_only_its_own_id_releases():
     held = s.leases.blocks("a", a.lease_id)
     assert held == s.kv.block_ids("a") and len(held) == 3
     assert s.leases.blocks("a", a.lease_id + 1) is None
-    assert not s.release_lease("a", a.lease_id + 1)  # another grant: not this one
-    assert s.release_lease("a", a.lease_id)
-    assert not s.release_lease("a", a.lease_id)  # released once
+    assert not s.leases.release("a", a.lease_id + 1)  # another grant: not this one
+    assert s.leases.release("a", a.lease_id)
+    assert not s.leases.release("a", a.lease_id)  # released once
     pool.check_all_free()
 
 
@@ -259,14 +259,14 @@ def test_a_lease_revoked_from_another_thread_keeps_its_blocks_until_the_engine_c
     assert s.leases.revoke("a", a.lease_id)  # a worker's event loop answering a check
     assert s.leases.blocks("a", a.lease_id) is None and not s.leases.revoke("a")
     assert pool.num_free_blocks == free  # nothing can reuse them yet
-    s.expire_leases(0.0)  # the engine thread's next step collects
+    s.leases.expire(0.0)  # the engine thread's next step collects
     pool.check_all_free()
 
 
 def test_a_pull_that_never_lands_fails_and_its_blocks_wait_for_the_transport(monkeypatch):
     """A transport stuck on a frozen peer: after PULL_TIMEOUT_S the request recomputes
     with new blocks; the old ones stay set aside (it may still write) until it lets go."""
-    from services.engine import kv_loader
+    from baton.services.engine import kv_loader
 
     pulls = Pulls()
     s, pool = make(receiver=pulls)

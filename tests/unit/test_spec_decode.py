@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine import SamplingParams
-from services.engine.config import SpecConfig
-from services.engine.sampler import Sampler, SamplingRow
-from services.engine.spec_decode import NgramIndex
+from baton.services.engine import SamplingParams
+from baton.services.engine.config import SpecConfig
+from baton.services.engine.sampler import Sampler, SamplingRow
+from baton.services.engine.spec_decode import NgramIndex
 from tests.unit.engine_helpers import assert_idle, greedy
 
 # The batch-size threshold lifted: these tests check the mechanism on batches of 8.
@@ -65,6 +65,7 @@ def prompts(llm) -> list[list[int]]:
                    for _ in range(4)]
 
 
+@pytest.mark.slow
 def test_greedy_with_drafts_equals_greedy_without(engines):
     plain, spec = engines
     ps = prompts(plain)
@@ -94,6 +95,7 @@ def test_greedy_with_drafts_equals_greedy_without(engines):
     assert_idle(spec)
 
 
+@pytest.mark.slow
 def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, make_llm):
     """Drafts after a cached prefix; and a budget so short (6 tokens for 2 requests)
     that drafts are cut to fit."""
@@ -113,6 +115,7 @@ def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, make_l
     assert_idle(tight)
 
 
+@pytest.mark.slow
 def test_the_same_under_preemption(engines, make_llm):
     """A pool of 13 usable blocks for 4 requests of up to 7 blocks: they preempt each
     other, and a preempted request drops its drafts and recomputes."""
@@ -127,6 +130,7 @@ def test_the_same_under_preemption(engines, make_llm):
     assert_idle(small)
 
 
+@pytest.mark.slow
 def test_no_drafts_above_the_batch_size_threshold(make_llm):
     llm = make_llm(dtype="float32", speculative=SpecConfig(method="ngram",
                                                             disable_batch_size=2))
@@ -140,6 +144,7 @@ def test_no_drafts_above_the_batch_size_threshold(make_llm):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_with_and_without_drafts(engines):
     """A seeded random request never drafts: its generator's stream stays the one a
     migration replays."""

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from services.engine.default_model import ensure_default_model
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.stop_matcher import StopMatcher
-from services.engine.tokenizer import load_tokenizer
+from baton.services.common.tokenizer import load_tokenizer
+from baton.services.engine.default_model import ensure_default_model
+from baton.services.engine.detokenizer import IncrementalDetokenizer
+from baton.services.engine.stop_matcher import StopMatcher
 
 
 def brute_force(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -15,20 +15,27 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from baton.router.intake import Intake
+from baton.router.openai import app as app_module
+from baton.router.openai.protocol import ChatRequest, CompletionRequest
+from baton.router.openai.render import Choice, Renderer, param_of
+from baton.services.common.finish import FinishReason
+from baton.services.common.sampling_params import SamplingParams, StructuredOutput
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.convert import (
+    FINISH,
+    FINISH_NAME,
+    finish_reason_of,
+    sampling_message,
+    sampling_params,
+)
+from baton.services.rpc.errors import InvalidArgument
+from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton_client import AsyncClient, Client, generate_request
-from baton_client.results import chunk_of
-from router.intake import Intake
-from router.openai import app as app_module
-from router.openai.protocol import ChatRequest, CompletionRequest
-from router.openai.render import Choice, Renderer, param_of
-from services.serving.config import ServiceConfig
-from services.serving.convert import FINISH, FINISH_NAME, sampling_kwargs, sampling_message
-from services.serving.errors import InvalidArgument
-from services.serving.sampling_params import SamplingParams, StructuredOutput
-from services.serving.security import Security
-from services.serving.server import Lifecycle
+from baton_client.results import chunk_of, finish_name
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
@@ -52,14 +59,12 @@ def test_every_kind_round_trips_through_the_wire(engine, wire):
     msg = sampling_message(max_tokens=5, structured=engine)
     assert msg.structured_output == wire
     received = gen.SamplingParams.FromString(msg.SerializeToString())
-    kw = sampling_kwargs(received)
-    assert kw == {"max_tokens": 5, "structured": engine}
-    assert SamplingParams(**kw).structured == engine
+    assert sampling_params(received) == SamplingParams(max_tokens=5, structured=engine)
 
 
-def test_no_constraint_is_no_field_and_no_keyword():
+def test_no_constraint_is_no_field_and_none():
     assert not sampling_message(max_tokens=3, structured=None).HasField("structured_output")
-    assert "structured" not in sampling_kwargs(gen.SamplingParams(max_tokens=3))
+    assert sampling_params(gen.SamplingParams(max_tokens=3)).structured is None
 
 
 @pytest.mark.parametrize("wire, words", [
@@ -73,7 +78,7 @@ def test_no_constraint_is_no_field_and_no_keyword():
 ])
 def test_a_malformed_wire_constraint_is_a_value_error(wire, words):
     with pytest.raises(ValueError, match=words):
-        SamplingParams(**sampling_kwargs(gen.SamplingParams(structured_output=wire)))
+        sampling_params(gen.SamplingParams(structured_output=wire))
 
 
 def test_the_constraint_finish_reason_round_trips():
@@ -83,6 +88,18 @@ def test_the_constraint_finish_reason_round_trips():
     back = gen.TokenDelta.FromString(delta.SerializeToString())
     assert FINISH_NAME[back.finish_reason] == "constraint"
     assert len(set(FINISH.values())) == len(FINISH)  # no two names share a number
+
+
+def test_every_finish_reason_has_one_wire_number_and_the_client_names_it_alike():
+    assert set(FINISH_NAME) == set(gen.FinishReason.values())  # every number is named
+    for reason in FinishReason:
+        back = gen.TokenDelta.FromString(
+            gen.TokenDelta(finish_reason=FINISH[reason]).SerializeToString())
+        assert finish_reason_of(back.finish_reason) is reason
+        assert finish_name(back.finish_reason) == reason.value
+    assert finish_reason_of(gen.FINISH_REASON_UNSPECIFIED) is None
+    assert finish_reason_of(99) is FinishReason.ABORT  # a newer peer's reason ends it
+    assert finish_name(gen.FINISH_REASON_UNSPECIFIED) is None
 
 
 # ---- the OpenAI layer: every form, on every choice of both endpoints --------------------
@@ -135,7 +152,7 @@ def test_every_openai_form_constrains_every_choice(body, want):
     assert [_as_dict(r.sampling.structured_output) for r in reqs] == [want] * len(reqs)
     # and what the router then checks accepts it
     for r in reqs:
-        assert SamplingParams(**sampling_kwargs(r.sampling)).structured is not None
+        assert sampling_params(r.sampling).structured is not None
 
 
 @pytest.mark.parametrize("body", [{}, {"response_format": {"type": "text"}},
@@ -338,8 +355,8 @@ SPEC = dict(num_spec_drafts=3, num_spec_draft_tokens=12, num_spec_accepted_token
 
 
 def test_the_spec_decode_counters_are_exported_under_vllms_names():
-    from services.engine.outputs import EngineStats
-    from services.worker.metrics import WorkerMetrics
+    from baton.services.engine.outputs import EngineStats
+    from baton.services.worker.metrics import WorkerMetrics
 
     stats = EngineStats(num_blocks=10, num_free_blocks=10, **SPEC)
     registry = WorkerMetrics(lambda: stats, "m", 1).registry
@@ -353,9 +370,9 @@ def test_the_spec_decode_counters_are_exported_under_vllms_names():
 
 
 def test_get_stats_carries_the_spec_decode_counters():
-    from kv_transfer.base import KVLayout
-    from services.engine.outputs import EngineStats, ModelInfo
-    from services.worker.worker_service import WorkerServicer
+    from baton.kv_transfer.base import KVLayout
+    from baton.services.engine.outputs import EngineStats, ModelInfo
+    from baton.services.worker.worker_service import WorkerServicer
 
     engine = SimpleNamespace(
         kv_caches=[SimpleNamespace(shape=(2, 1, 8))],

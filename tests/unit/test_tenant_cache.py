@@ -13,13 +13,13 @@ import asyncio
 import httpx
 import pytest
 
-from cli.flags import values
-from cli.main import parse
-from router.config import RouterConfig
-from router.openai import app as app_module
-from services.serving.config import ServiceConfig
-from services.serving.security import Security, key_id
-from services.serving.server import Lifecycle
+from baton.cli.flags import values
+from baton.cli.main import parse
+from baton.router.config import RouterConfig
+from baton.router.openai import app as app_module
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security, key_id
+from baton.services.rpc.server import Lifecycle
 from tests.unit.router_fakes import cluster, expected, tokens
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")

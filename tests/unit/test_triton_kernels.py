@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
+from baton.kernels import reference
+from baton.kernels.metadata import AttentionMetadata
 from tests.kernel_batch import make_batch as _make_batch
 
 triton_attn = pytest.importorskip(
-    "kernels.triton_attn", reason="triton is not installed: the Triton kernels are untested")
+    "baton.kernels.triton_attn", reason="triton is not installed: the Triton kernels are untested")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1: Triton cannot run the kernels",
@@ -143,12 +143,12 @@ def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, model_path):
+def head_shaped_model(tmp_path_factory, model_path):
     """A 2-layer random Llama with SmolLM2's head shapes (64-dim heads, 3 query heads per
     KV head) as an HF directory: the interpreter runs it in seconds, not minutes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.engine.tokenizer import load_tokenizer
+    from baton.services.common.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     tok = load_tokenizer(model_path)
@@ -163,14 +163,15 @@ def tiny_model(tmp_path_factory, model_path):
     return path, hf
 
 
-def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, tiny_model):
+@pytest.mark.slow
+def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, head_shaped_model):
     """The whole model through the Triton kernels: chunked prefill over a cached prefix
     (chunks of 24 tokens), mixed decode and prefill steps, then padded full-width decode
     batches as a CUDA graph runs them. Same greedy tokens as HF and the torch backend."""
-    from services.engine import SamplingParams
-    from services.engine.cuda_graphs import CudaGraphRunner
+    from baton.services.engine import SamplingParams
+    from baton.services.engine.cuda_graphs import CudaGraphRunner
 
-    path, hf = tiny_model
+    path, hf = head_shaped_model
     common = dict(model=str(path), dtype="float32", max_num_batched_tokens=24,
                   max_num_seqs=4, device=DEVICE, kv_cache_gib=0.02)
     base = make_llm(**common)

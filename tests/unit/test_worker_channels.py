@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from services.serving.config import ServiceConfig
-from services.serving.security import Security
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.security import Security
 from tests.e2e.certs import CA
 
 WINDOW_S = 5.0  # gRPC's defaults try at about 0, 1, 2.6, 5.2 s: a gap over 1.9 s shows

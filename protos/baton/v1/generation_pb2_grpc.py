@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+    """The router's public service (and a colocated server's): generate, tokenize, model info.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,23 +53,28 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The router's public service (and a colocated server's): generate, tokenize, model info.
+    """
 
     def Generate(self, request, context):
-        """Streams the completion: the first response comes as soon as the first token exists.
+        """Streams the completion: the first response comes as soon as the first token exists,
+        the last one carries the finish reason and usage. Errors are gRPC status codes
+        (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with a retry hint, UNAVAILABLE, ...).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The prompt as the model's token ids, as Generate would see it (chat template applied).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The model served, and the numbers a client needs to size its requests.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -100,7 +106,8 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Missing associated documentation comment in .proto file."""
+    """The router's public service (and a colocated server's): generate, tokenize, model info.
+    """
 
     @staticmethod
     def Generate(request,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\x8d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\x90\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x95\x01\n\x0fPrefillResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\"\n\x06handle\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\"8\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"X\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"\x88\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\xfe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\"\n\x06handle\x18\x07 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\"p\n\x0e\x44\x65\x63odeResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\"\n\x07timings\x18\x03 \x01(\x0b\x32\x11.baton.v1.Timings\")\n\x0e\x43onnectRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\"?\n\x0f\x43onnectResponse\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x82\x05\n\x10GetStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_loading\x18\x05 \x01(\x05\x12\x12\n\nnum_leases\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x03\x12\x18\n\x10num_blocks_local\x18\n \x01(\x03\x12\'\n\nmodel_info\x18\x0b \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\"\n\x06layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x19\n\x11num_load_failures\x18\r \x01(\x03\x12\x1a\n\x12num_leases_expired\x18\x0e \x01(\x03\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x11 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x12 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x13 \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\x14 \x01(\x03\x12\x17\n\x0fnum_spec_drafts\x18\x15 \x01(\x03\x12\x1d\n\x15num_spec_draft_tokens\x18\x16 \x01(\x03\x12 \n\x18num_spec_accepted_tokens\x18\x17 \x01(\x03\x12\x1c\n\x14\x65ngine_stalled_since\x18\x18 \x01(\x01\"N\n\x13ReadKvBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"$\n\x14ReadKvBlocksResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"6\n\x12GetKvEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\x04\"\x8d\x01\n\x13GetKvEventsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\x32\xdc\x01\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\tReleaseKv\x12\x1a.baton.v1.ReleaseKvRequest\x1a\x1b.baton.v1.ReleaseKvResponse\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse2\x8e\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse2\xef\x01\n\rWorkerService\x12\x41\n\x08GetStats\x12\x19.baton.v1.GetStatsRequest\x1a\x1a.baton.v1.GetStatsResponse\x12O\n\x0cReadKvBlocks\x12\x1d.baton.v1.ReadKvBlocksRequest\x1a\x1e.baton.v1.ReadKvBlocksResponse0\x01\x12J\n\x0bGetKvEvents\x12\x1c.baton.v1.GetKvEventsRequest\x1a\x1d.baton.v1.GetKvEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\x8d\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\x90\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x95\x01\n\x0fPrefillResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\"\n\x06handle\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\"8\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\")\n\x13\x41\x62ortPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"(\n\x14\x41\x62ortPrefillResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"X\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"\x88\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\xfe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\"\n\x06handle\x18\x07 \x01(\x0b\x32\x12.baton.v1.KvHandle\x12\x17\n\x0fprefill_address\x18\x08 \x01(\t\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\"p\n\x0e\x44\x65\x63odeResponse\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\"\n\x07timings\x18\x03 \x01(\x0b\x32\x11.baton.v1.Timings\")\n\x0e\x43onnectRequest\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\"?\n\x0f\x43onnectResponse\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x82\x05\n\x10GetStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_loading\x18\x05 \x01(\x05\x12\x12\n\nnum_leases\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x03\x12\x18\n\x10num_blocks_local\x18\n \x01(\x03\x12\'\n\nmodel_info\x18\x0b \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\"\n\x06layout\x18\x0c \x01(\x0b\x32\x12.baton.v1.KvLayout\x12\x19\n\x11num_load_failures\x18\r \x01(\x03\x12\x1a\n\x12num_leases_expired\x18\x0e \x01(\x03\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x11 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x12 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x13 \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\x14 \x01(\x03\x12\x17\n\x0fnum_spec_drafts\x18\x15 \x01(\x03\x12\x1d\n\x15num_spec_draft_tokens\x18\x16 \x01(\x03\x12 \n\x18num_spec_accepted_tokens\x18\x17 \x01(\x03\x12\x1c\n\x14\x65ngine_stalled_since\x18\x18 \x01(\x01\"N\n\x13ReadKvBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"$\n\x14ReadKvBlocksResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"6\n\x12GetKvEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\x04\"\x8d\x01\n\x13GetKvEventsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\x32\xab\x02\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\tReleaseKv\x12\x1a.baton.v1.ReleaseKvRequest\x1a\x1b.baton.v1.ReleaseKvResponse\x12M\n\x0c\x41\x62ortPrefill\x12\x1d.baton.v1.AbortPrefillRequest\x1a\x1e.baton.v1.AbortPrefillResponse\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse2\x8e\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse2\xef\x01\n\rWorkerService\x12\x41\n\x08GetStats\x12\x19.baton.v1.GetStatsRequest\x1a\x1a.baton.v1.GetStatsResponse\x12O\n\x0cReadKvBlocks\x12\x1d.baton.v1.ReadKvBlocksRequest\x1a\x1e.baton.v1.ReadKvBlocksResponse0\x01\x12J\n\x0bGetKvEvents\x12\x1c.baton.v1.GetKvEventsRequest\x1a\x1d.baton.v1.GetKvEventsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,34 +44,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEKVREQUEST']._serialized_end=708
   _globals['_RELEASEKVRESPONSE']._serialized_start=710
   _globals['_RELEASEKVRESPONSE']._serialized_end=747
-  _globals['_HANDSHAKEREQUEST']._serialized_start=749
-  _globals['_HANDSHAKEREQUEST']._serialized_end=837
-  _globals['_HANDSHAKERESPONSE']._serialized_start=840
-  _globals['_HANDSHAKERESPONSE']._serialized_end=976
-  _globals['_DECODEREQUEST']._serialized_start=979
-  _globals['_DECODEREQUEST']._serialized_end=1233
-  _globals['_DECODERESPONSE']._serialized_start=1235
-  _globals['_DECODERESPONSE']._serialized_end=1347
-  _globals['_CONNECTREQUEST']._serialized_start=1349
-  _globals['_CONNECTREQUEST']._serialized_end=1390
-  _globals['_CONNECTRESPONSE']._serialized_start=1392
-  _globals['_CONNECTRESPONSE']._serialized_end=1455
-  _globals['_GETSTATSREQUEST']._serialized_start=1457
-  _globals['_GETSTATSREQUEST']._serialized_end=1474
-  _globals['_GETSTATSRESPONSE']._serialized_start=1477
-  _globals['_GETSTATSRESPONSE']._serialized_end=2119
-  _globals['_READKVBLOCKSREQUEST']._serialized_start=2121
-  _globals['_READKVBLOCKSREQUEST']._serialized_end=2199
-  _globals['_READKVBLOCKSRESPONSE']._serialized_start=2201
-  _globals['_READKVBLOCKSRESPONSE']._serialized_end=2237
-  _globals['_GETKVEVENTSREQUEST']._serialized_start=2239
-  _globals['_GETKVEVENTSREQUEST']._serialized_end=2293
-  _globals['_GETKVEVENTSRESPONSE']._serialized_start=2296
-  _globals['_GETKVEVENTSRESPONSE']._serialized_end=2437
-  _globals['_PREFILLSERVICE']._serialized_start=2440
-  _globals['_PREFILLSERVICE']._serialized_end=2660
-  _globals['_DECODESERVICE']._serialized_start=2663
-  _globals['_DECODESERVICE']._serialized_end=2805
-  _globals['_WORKERSERVICE']._serialized_start=2808
-  _globals['_WORKERSERVICE']._serialized_end=3047
+  _globals['_ABORTPREFILLREQUEST']._serialized_start=749
+  _globals['_ABORTPREFILLREQUEST']._serialized_end=790
+  _globals['_ABORTPREFILLRESPONSE']._serialized_start=792
+  _globals['_ABORTPREFILLRESPONSE']._serialized_end=832
+  _globals['_HANDSHAKEREQUEST']._serialized_start=834
+  _globals['_HANDSHAKEREQUEST']._serialized_end=922
+  _globals['_HANDSHAKERESPONSE']._serialized_start=925
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1061
+  _globals['_DECODEREQUEST']._serialized_start=1064
+  _globals['_DECODEREQUEST']._serialized_end=1318
+  _globals['_DECODERESPONSE']._serialized_start=1320
+  _globals['_DECODERESPONSE']._serialized_end=1432
+  _globals['_CONNECTREQUEST']._serialized_start=1434
+  _globals['_CONNECTREQUEST']._serialized_end=1475
+  _globals['_CONNECTRESPONSE']._serialized_start=1477
+  _globals['_CONNECTRESPONSE']._serialized_end=1540
+  _globals['_GETSTATSREQUEST']._serialized_start=1542
+  _globals['_GETSTATSREQUEST']._serialized_end=1559
+  _globals['_GETSTATSRESPONSE']._serialized_start=1562
+  _globals['_GETSTATSRESPONSE']._serialized_end=2204
+  _globals['_READKVBLOCKSREQUEST']._serialized_start=2206
+  _globals['_READKVBLOCKSREQUEST']._serialized_end=2284
+  _globals['_READKVBLOCKSRESPONSE']._serialized_start=2286
+  _globals['_READKVBLOCKSRESPONSE']._serialized_end=2322
+  _globals['_GETKVEVENTSREQUEST']._serialized_start=2324
+  _globals['_GETKVEVENTSREQUEST']._serialized_end=2378
+  _globals['_GETKVEVENTSRESPONSE']._serialized_start=2381
+  _globals['_GETKVEVENTSRESPONSE']._serialized_end=2522
+  _globals['_PREFILLSERVICE']._serialized_start=2525
+  _globals['_PREFILLSERVICE']._serialized_end=2824
+  _globals['_DECODESERVICE']._serialized_start=2827
+  _globals['_DECODESERVICE']._serialized_end=2969
+  _globals['_WORKERSERVICE']._serialized_start=2972
+  _globals['_WORKERSERVICE']._serialized_end=3211
 # @@protoc_insertion_point(module_scope)

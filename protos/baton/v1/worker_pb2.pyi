@@ -83,6 +83,18 @@ class ReleaseKvResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class AbortPrefillRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortPrefillResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "nonce")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class PrefillServiceStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.AbortPrefill = channel.unary_unary(
+                '/baton.v1.PrefillService/AbortPrefill',
+                request_serializer=baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
+                _registered_method=True)
         self.Handshake = channel.unary_unary(
                 '/baton.v1.PrefillService/Handshake',
                 request_serializer=baton_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
@@ -57,14 +62,28 @@ class PrefillServiceServicer:
     """
 
     def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Runs a prompt to its first token. Unless that token ends the request, its KV stays
+        held under a lease, named by the handle in the reply. ABORTED if the engine failed
+        it (the router tries the next prefill worker).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKv(self, request, context):
-        """Ends a lease. The decode worker calls it once its pull has landed, and trusts the
-        bytes only if `released` says the lease was still held (see KvHandle.lease_id).
+        """Ends the lease a handle names. The decode worker calls it once its pull has landed,
+        and trusts the bytes only if `released` says the lease was still held (see
+        KvHandle.lease_id); whoever holds a handle nobody will pull calls it too (the router,
+        a decode worker whose load failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortPrefill(self, request, context):
+        """Ends whatever lease a request holds, by its id alone: the router's release of a
+        Prefill call that ended without the answer in its hands (its deadline, the client
+        leaving, a failure), whose handle it never saw. Idempotent; cluster callers only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +109,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'AbortPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortPrefill,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.SerializeToString,
             ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
@@ -163,6 +187,33 @@ class PrefillService:
             _registered_method=True)
 
     @staticmethod
+    def AbortPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillService/AbortPrefill',
+            baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Handshake(request,
             target,
             options=(),
@@ -217,7 +268,10 @@ class DecodeServiceServicer:
     """
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pulls the prompt KV the handle names (only the blocks its own prefix cache lacks),
+        releases the lease, and streams the tokens after the first; without a handle, it
+        computes the prompt itself.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -343,13 +397,16 @@ class WorkerServiceServicer:
     """
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Load, memory and counters, polled by routers to pick workers.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReadKvBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The bytes of blocks held under a lease: the gRPC transport's pull. FAILED_PRECONDITION
+        if the lease does not hold them, before the read or after it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.metadata import AttentionMetadata
-from services.engine.model_config import ModelConfig, Rope
+from baton.kernels.metadata import AttentionMetadata
+from baton.services.engine.model_config import ModelConfig, Rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.metadata import AttentionMetadata
-from services.engine.model_config import ModelConfig
-from services.engine.models.layers import (
+from baton.kernels.metadata import AttentionMetadata
+from baton.services.engine.model_config import ModelConfig
+from baton.services.engine.models.layers import (
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,

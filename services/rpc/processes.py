@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 def serve_command(role: str, address: str, *flags: str) -> list[str]:
     """The command line of `baton serve` for `role` on `address`."""
-    return [sys.executable, "-m", "cli", "serve", "--role", role, "--address", address,
+    return [sys.executable, "-m", "baton.cli", "serve", "--role", role, "--address", address,
             *flags]
 
 

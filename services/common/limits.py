@@ -1,14 +1,19 @@
 """How big one request may be. Torch-free: the router bounds a request with `Limits`
 (flags, so an operator can tune them) before any per-item work; the engine holds every
 request to the fixed ceilings below, so a caller that reaches a worker directly cannot
-get around the router's bounds either."""
+get around the router's bounds either. A count over its bound raises `OverLimit`, a
+ValueError naming the field ("field: ..."): the server shell answers INVALID_ARGUMENT,
+the HTTP API 400 with that field as `param`."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.serving.errors import InvalidArgument
+
+class OverLimit(ValueError):
+    """A request over one of its bounds; the message starts with the field it names."""
+
 
 # The engine's own ceilings: generous, never configurable.
 STOP_CEILING = 128  # stop strings per request
@@ -54,13 +59,13 @@ class Limits:
                              f"ids the router makes), got {self.max_request_id_chars!r}")
 
     def check(self, name: str, got: int, where: str, more: bool = False) -> None:
-        """InvalidArgument naming the field `where` when `got` is over the limit `name`
+        """OverLimit naming the field `where` when `got` is over the limit `name`
         (`more`: counting stopped past it, so `got` is only a lower bound)."""
         bound = getattr(self, name)
         if got > bound:
             unit = next(f for f in dataclasses.fields(self) if f.name == name).metadata["unit"]
             what = "more than" if more else f"{got}, over"
-            raise InvalidArgument(f"{where}: {what} the limit of {bound} {unit} "
+            raise OverLimit(f"{where}: {what} the limit of {bound} {unit} "
                                   f"(--{name.replace('_', '-')})")
 
 

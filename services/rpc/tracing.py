@@ -22,7 +22,7 @@ import time
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
-from services.serving.config import ServiceConfig
+from baton.services.rpc.config import ServiceConfig
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _provider = None

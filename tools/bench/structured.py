@@ -1,7 +1,7 @@
 """Structured output's cost: a W1-sized batch (64 requests, W1's prompts, 128 tokens)
 constrained by a JSON schema against the same batch unconstrained, in one run.
 
-    python -m services.bench.structured [--dtype bfloat16] [--rounds 2]
+    python -m baton.tools.bench.structured [--dtype bfloat16] [--rounds 2]
 
 Greedy; the unconstrained side ignores EOS, and the schema cannot end within 128 tokens,
 so both sides produce the same number of tokens. The rounds alternate; each side keeps
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from services.bench.workloads import make_workload
-from services.engine import LLM, SamplingParams
-from services.serving.sampling_params import StructuredOutput
+from baton.services.common.sampling_params import StructuredOutput
+from baton.services.engine import LLM, SamplingParams
+from baton.tools.bench.workloads import make_workload
 
 # At least 64 strings: no row can complete it within its 128 tokens, so both sides
 # produce exactly 128 tokens a row and the ratio is the mask's cost alone.

@@ -1,7 +1,7 @@
 """Baton against vLLM's CPU backend on W1, W2 (prefix caching off and on) and W3, back to
 back, alternating, one fresh process per run; prints one table of ratios.
 
-    python -m services.bench.vs_vllm [--rounds 2] [--vllm-python .cache/vllm-venv/bin/python]
+    python -m baton.tools.bench.vs_vllm [--rounds 2] [--vllm-python .cache/vllm-venv/bin/python]
 
 Both run bf16 at their default settings (4 GiB of KV each), greedy with ignore_eos, on the
 same dequantized weights (vLLM reads the HF directory that scripts/export_hf_dir.py
@@ -21,10 +21,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.bench.workloads import make_workload
-from services.serving.default_model import cache_dir
+from baton.services.common.default_model import cache_dir
+from baton.tools.bench.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
+# vLLM's venv has no Baton installed: the checkout's root and protos/ (where `baton` is).
+SOURCE_PATH = os.pathsep.join([str(ROOT), str(ROOT / "protos")])
 # (label, workload, prefix caching)
 RUNS = [("W1", "w1", True), ("W2 caching off", "w2", False), ("W2 caching on", "w2", True),
         ("W3", "w3", True)]
@@ -32,8 +34,8 @@ RUNS = [("W1", "w1", True), ("W2 caching off", "w2", False), ("W2 caching on", "
 
 def baton_child(workload: str, caching: bool) -> None:
     """One run in this process (the child side): one JSON line."""
-    from services.bench.offline import run_baton
-    from services.engine import LLM
+    from baton.services.engine import LLM
+    from baton.tools.bench.offline import run_baton
 
     llm = LLM(dtype="bfloat16", kv_cache_gib=4.0, enable_prefix_caching=caching)
     wl = make_workload(workload, llm.engine.model_config.vocab_size)
@@ -43,7 +45,7 @@ def baton_child(workload: str, caching: bool) -> None:
 
 def run(cmd: list[str], env: dict | None = None) -> float:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                         env=dict(os.environ, PYTHONPATH=SOURCE_PATH, **(env or {})))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
@@ -55,7 +57,7 @@ def hf_dir() -> Path:
     out = cache_dir() / "models" / "SmolLM2-135M-Instruct-hf"
     if not (out / "config.json").exists():
         subprocess.run([sys.executable, "scripts/export_hf_dir.py", str(out)], cwd=ROOT,
-                       check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       check=True, env=dict(os.environ, PYTHONPATH=SOURCE_PATH))
     return out
 
 
@@ -84,7 +86,7 @@ def main() -> None:
                 if system == "vllm" and vllm is None:
                     continue
                 if system == "baton":
-                    cmd = [sys.executable, "-m", "services.bench.vs_vllm", "--child", workload,
+                    cmd = [sys.executable, "-m", "baton.tools.bench.vs_vllm", "--child", workload,
                            "on" if caching else "off"]
                     tok_s = run(cmd)
                 else:

@@ -1,7 +1,8 @@
 """What a handler raises instead of aborting by hand. The server's one interceptor
-(services/serving/server.py) turns each into its gRPC status code:
+(services/rpc/server.py) turns each into its gRPC status code:
 
     ServiceError subclass        its `code` (below)
+    AtCapacity                   RESOURCE_EXHAUSTED (capacity.py: the engine's full queues)
     IncompatibleLayout           FAILED_PRECONDITION (KV layouts differ)
     ValueError, TypeError        INVALID_ARGUMENT (bad input; the message names the field)
     anything else                INTERNAL (logged with its traceback)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import grpc
 
-RETRY_AFTER_S = 1.0  # the default hint with RESOURCE_EXHAUSTED
+from baton.services.common.capacity import RETRY_AFTER_S  # the default hint
 
 
 class ServiceError(Exception):

@@ -11,7 +11,7 @@ router and the workers.
                                  A worker dialed by IP (found by DNS) must show a
                                  certificate for --tls-server-name, when given.
                                  With --cluster-token, every call but health must carry
-                                 the token (services/serving/cluster.py). Both may be on.
+                                 the token (services/rpc/cluster.py). Both may be on.
 
 NIXL moves KV blocks outside gRPC, unencrypted: keep the workers' network private.
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from services.serving.cluster import ClusterToken
-from services.serving.config import ServiceConfig
-from services.serving.server import CHANNEL_OPTIONS
+from baton.services.rpc.cluster import ClusterToken
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.server import CHANNEL_OPTIONS
 
 
 def _read(path: str | None) -> bytes | None:

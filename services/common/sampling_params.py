@@ -6,8 +6,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from services.serving import constraint_limits
-from services.serving.limits import (
+from baton.services.common import constraint_limits
+from baton.services.common.limits import (
     STOP_CEILING,
     STOP_CHARS_CEILING,
     STOP_TOKEN_IDS_CEILING,

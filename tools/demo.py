@@ -1,7 +1,7 @@
 """One chat prompt through the offline engine, with the text streamed to the terminal as it
 is sampled: the engine alone, without any service.
 
-    python -m services.engine.demo [--prompt "..."] [--max-tokens N] [--dtype float32]
+    python -m baton.tools.demo [--prompt "..."] [--max-tokens N] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from baton.services.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def main() -> None:

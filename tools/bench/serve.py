@@ -2,8 +2,8 @@
 -> NIXL -> decode worker) and colocated (one engine), at several concurrencies, in the
 same run, one topology at a time on the machine.
 
-    python -m services.bench.serve [--concurrency 16 64] [--rounds 1] [--json]
-    python -m services.bench.serve --compare-apis --concurrency 64 --rounds 2
+    python -m baton.tools.bench.serve [--concurrency 16 64] [--rounds 1] [--json]
+    python -m baton.tools.bench.serve --compare-apis --concurrency 64 --rounds 2
 
 Prints, per mode and concurrency: output throughput, TTFT p50/p99, ITL p50/p99, and for
 the disaggregated mode the KV transfer time per request, its GB/s and its share of the
@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.kv_transfer.base import KVLayout
+from baton.services.rpc.cluster import ClusterToken
+from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.tools.bench.workloads import make_workload
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from kv_transfer.base import KVLayout
-from services.bench.workloads import make_workload
-from services.serving.cluster import ClusterToken
-from services.serving.processes import spawn, stop_all, wait_healthy
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281,
          "http": 50252}

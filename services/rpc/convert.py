@@ -1,24 +1,48 @@
-"""Between the wire messages and plain Python values. Torch-free: the router uses it too,
-so it builds SamplingParams keyword arguments rather than the engine's class."""
+"""Between the wire messages and plain Python values; torch-free, for the router and the
+workers alike. The sampling seams, one conversion per boundary a request crosses:
+
+    HTTP body (or a client) -> the wire   `sampling_message`: values to the message
+                                          (router/openai/protocol.py, cli/generate.py)
+    the wire -> the router                `sampling_params`: the router's check
+                                          (router/intake.py), its result dropped
+    the wire -> a worker                  `sampling_params` with the model's defaults,
+                                          once per Prefill or Decode call: the engine
+                                          takes that SamplingParams as it is
+
+The router forwards the message it checked to the prefill and decode workers as it came:
+no dict, no second message.
+"""
 
 from __future__ import annotations
 
+from baton.services.common.finish import FinishReason
+from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.v1 import generation_pb2 as gen
-from services.serving.sampling_params import StructuredOutput
 
-FINISH = {None: gen.FINISH_REASON_UNSPECIFIED, "stop": gen.FINISH_REASON_STOP,
-          "length": gen.FINISH_REASON_LENGTH, "abort": gen.FINISH_REASON_ABORT,
-          "constraint": gen.FINISH_REASON_CONSTRAINT}
+# The one mapping between FinishReason and the wire's enum (FINISH_REASON_<NAME>); None is
+# UNSPECIFIED: the request goes on.
+FINISH = {None: gen.FINISH_REASON_UNSPECIFIED} | {
+    r: gen.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
+
+
+def finish_reason_of(number: int) -> FinishReason | None:
+    """The wire's finish reason; a number this side does not know (a newer peer's) ends
+    the request as an abort."""
+    return FINISH_NAME.get(number, FinishReason.ABORT)
+
 
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
              "skip_special_tokens")
 
 
-def sampling_kwargs(msg: gen.SamplingParams) -> dict:
-    """Keyword arguments for the engine's SamplingParams: only the fields that are set."""
-    kw = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """The request's values; where it leaves one unset, `defaults` (the model's
+    generation_config.json, on a worker), else SamplingParams' own. ValueError or
+    TypeError, naming the field, if SamplingParams refuses them."""
+    kw = dict(defaults or {})
+    kw.update((name, getattr(msg, name)) for name in _OPTIONAL if msg.HasField(name))
     if msg.stop:
         kw["stop"] = tuple(msg.stop)
     if msg.stop_token_ids:
@@ -29,12 +53,12 @@ def sampling_kwargs(msg: gen.SamplingParams) -> dict:
         kw["include_stop_str_in_output"] = True
     if msg.HasField("structured_output"):
         kw["structured"] = structured_of(msg.structured_output)
-    return kw
+    return SamplingParams(**kw)
 
 
 def sampling_message(**kw) -> gen.SamplingParams:
-    """The inverse, for clients: SamplingParams fields as keyword arguments
-    (`structured=` a StructuredOutput)."""
+    """The wire's SamplingParams from its fields as keyword arguments (`structured=` a
+    StructuredOutput; None: unset), for clients and the OpenAI routes."""
     msg = gen.SamplingParams()
     for name, value in kw.items():
         if value is None:

@@ -2,7 +2,7 @@
 run, each on fresh workers (one prefill, two decode workers with 0.25 GiB of KV each,
 less than the 16 tenants' prefixes need), at concurrency 16.
 
-    python -m services.bench.kv_routing [--rounds 1] [--plot docs/w4_ttft.png]
+    python -m baton.tools.bench.kv_routing [--rounds 1] [--plot docs/w4_ttft.png]
 
 Prints per mode: the decode workers' prefix hit rate (prompt tokens found in their
 caches, pulled requests included), the share of requests prefilled on the decode worker
@@ -18,9 +18,9 @@ import os
 import statistics
 import sys
 
-from services.bench.serve import ENV, kv_shape, pct, run_load, warm_up, worker_stats
-from services.bench.workloads import make_workload
-from services.serving.processes import spawn, stop_all, wait_healthy
+from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.tools.bench.serve import ENV, kv_shape, pct, run_load, warm_up, worker_stats
+from baton.tools.bench.workloads import make_workload
 
 PREFILL, DECODES, ROUTER = "127.0.0.1:50361", ("127.0.0.1:50371", "127.0.0.1:50372"), \
     "127.0.0.1:50351"

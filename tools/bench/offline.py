@@ -1,7 +1,7 @@
 """Offline throughput: Baton against HF transformers' static-batch generate, in one run.
 
-    python -m services.bench.offline [--workload w1] [--dtype bfloat16] [--json]
-    python -m services.bench.offline --workload w2     # prefix caching off, then on
+    python -m baton.tools.bench.offline [--workload w1] [--dtype bfloat16] [--json]
+    python -m baton.tools.bench.offline --workload w2     # prefix caching off, then on
 
 Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
 every request producing exactly its output length. HF runs static batches of 16,
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from services.bench.workloads import Workload, make_workload
-from services.engine import LLM, SamplingParams
-from services.engine.loader import load_checkpoint, resolve_model_path
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.tools.bench.workloads import Workload, make_workload
 
 
 def run_baton(llm: LLM, wl: Workload) -> float:

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram) on against off, in one run: W5 at batch 1 and 16, W1,
 and the batch-size sweep that sets --speculative-disable-by-batch-size.
 
-    python -m services.bench.spec                   # W5 (batch 1, 16) and W1
-    python -m services.bench.spec --sweep           # spec on/off step cost by batch size
+    python -m baton.tools.bench.spec                   # W5 (batch 1, 16) and W1
+    python -m baton.tools.bench.spec --sweep           # spec on/off step cost by batch size
 
 W5 (docs/benchmarks.md): 16 passages, each the default model's own greedy answer (160
 tokens) to one of 16 fixed instructions; request i asks the model to repeat passage i
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from services.bench.workloads import make_workload
-from services.engine import LLM, SamplingParams
-from services.engine.config import SpecConfig
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.config import SpecConfig
+from baton.tools.bench.workloads import make_workload
 
 INSTRUCTIONS = [
     "Explain how a bicycle works.", "Describe a busy train station in the morning.",

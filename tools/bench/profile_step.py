@@ -3,7 +3,7 @@
 sampling, and the rest (Python, the scheduler, residual adds, the MLP's activation,
 copies), with the share of the bf16 matmul roofline each phase reaches.
 
-    python -m services.bench.profile_step [--steps 3] [--dtype bfloat16]
+    python -m baton.tools.bench.profile_step [--steps 3] [--dtype bfloat16]
 
 The parts are timed by wrapping the model's own functions (CPU runs them synchronously,
 so a call's wall time is its cost); nothing in the engine changes. The roofline is the
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 import torch
 
-from services.bench.workloads import make_workload
-from services.engine import LLM, SamplingParams
-from services.engine.models import layers
+from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.models import layers
+from baton.tools.bench.workloads import make_workload
 
 PARTS = ("matmul", "attention", "kv write", "norm", "rope", "lm head", "sampling",
          "embedding")

@@ -1,1 +1,0 @@
-"""Benchmarks: run as `python -m services.bench.<name>`."""

@@ -1,0 +1,96 @@
+"""Tokenizers, torch-free: the one owner of chat templating and of where a model's
+tokenizer lives.
+
+    path/to/dir             its own tokenizer files (an HF model or tokenizer folder)
+    path/to/<name>.gguf     the `<name>.tokenizer/` folder beside it (`tokenizer_dir`),
+                            built once from the GGUF by transformers and saved there
+                            (`load_tokenizer`, in the engine's process: that build needs
+                            torch), so later loads, and routers, read the folder
+
+`Tokenizer` is the router's: transformers' own fast tokenizer, which loads no torch, so
+the router's ids and chat prompts are the engine's by construction (a test checks them
+against the engine's tokenizer anyway). `apply_chat_template` is the one place a chat
+becomes token ids: the router, the engine and the offline `LLM` all call it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+
+def tokenizer_dir(model: str | Path) -> Path:
+    """Where a model's tokenizer files are: the HF directory itself, or for a `.gguf` file
+    the `<name>.tokenizer/` folder saved beside it."""
+    path = Path(model)
+    return path.with_suffix(".tokenizer") if path.suffix == ".gguf" else path
+
+
+def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
+    """The engine's tokenizer for an HF directory or a `.gguf` file. Building one from GGUF
+    metadata takes seconds, so it is saved in `tokenizer_dir` and loaded from there next
+    time; a read-only cache still works, only slower."""
+    from transformers import AutoTokenizer  # imports torch: never in the router
+
+    path = Path(model)
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(str(path))
+    saved = tokenizer_dir(path)
+    if (saved / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(saved))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = saved.with_suffix(".tokenizer-tmp")
+        tok.save_pretrained(str(tmp))
+        tmp.replace(saved)
+    except OSError:
+        pass
+    return tok
+
+
+def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+                        ) -> list[int]:
+    """The messages through the model's chat template, ending with the assistant's turn.
+    ValueError if the model has none or the template refuses the messages."""
+    if not tok.chat_template:
+        raise ValueError("chat: this model has no chat template; send text or token ids")
+    try:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja's TemplateError, raise_exception() in a template
+        raise ValueError(f"chat: the model's template refused the messages: {e}") from e
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+class Tokenizer:
+    """The router's tokenizer, from the saved folder (see the module doc)."""
+
+    def __init__(self, model: str | Path):
+        folder = tokenizer_dir(model)
+        if not (folder / "tokenizer.json").exists():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {folder}; for a .gguf model run a worker once, or "
+                "`python -m baton.services.engine.default_model`, to save it")
+        self._tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        self.has_chat_template = bool(self._tok.chat_template)
+        self._texts: dict[int, str] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True) if text else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (OpenAI's logprobs show them)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tok.decode([token_id])
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return apply_chat_template(self._tok, messages)
