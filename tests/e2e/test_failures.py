@@ -121,9 +121,23 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
     assert [results.get(i) for i in range(8)] == [(w.token_ids, w.text) for w in want]
 
 
+def _running(cluster, names: tuple[str, ...]) -> str:
+    """The decode worker (of those still up) that runs a request now."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for name in names:
+            try:
+                if stats(cluster[name]).num_running:
+                    return name
+            except grpc.RpcError:  # drained or killed by an earlier test
+                continue
+        time.sleep(0.005)
+    raise AssertionError("no decode worker was running the request")
+
+
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
     # Long enough that the tiny model is still decoding when the sixth token arrives.
-    n = 400
+    n = 2000
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0,
                                                     ignore_eos=True))[0]
     until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
@@ -133,7 +147,7 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
         for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
             msgs.append(msg)
             if len(msgs) == 6:  # mid-stream: kill whichever decode worker runs it
-                victim = next(d for d in ("d1", "d3") if stats(cluster[d]).num_running)
+                victim = _running(cluster, ("d1", "d2", "d3"))
                 cluster["topology"].kill(cluster[victim])
                 killed.append(victim)
     assert killed and joined(msgs) == (ref.token_ids, ref.text)
@@ -141,7 +155,7 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
 
 
 def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline):
-    long_prompt = PROMPT * 6  # a prefill long enough to be caught in the middle
+    long_prompt = PROMPT * 40  # 1,600 tokens: a prefill long enough to be caught in the middle
     ref = offline.generate([long_prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
     router = cluster["router"]
     # Kill one prefill worker while requests are in flight: they finish elsewhere.
@@ -154,7 +168,7 @@ def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline)
         except grpc.RpcError as e:
             results[i] = e.code()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     def busy() -> bool:  # admitted or prefilling a prompt
@@ -168,7 +182,7 @@ def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline)
     cluster["topology"].kill(cluster["p1"])  # mid-prefill
     for t in threads:
         t.join(timeout=120)
-    assert all(results.get(i) == (ref.token_ids, ref.text) for i in range(4)), results
+    assert all(results.get(i) == (ref.token_ids, ref.text) for i in range(8)), results
     # With no prefill worker at all, the decode worker prefills itself.
     cluster["topology"].kill(cluster["p2"])
     msgs = until_served(router, gen.GenerateRequest(text=long_prompt, sampling=greedy(12)))

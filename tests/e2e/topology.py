@@ -32,17 +32,28 @@ if ZYGOTE is not None:
     atexit.register(ZYGOTE.close)
 
 
+# Each test process takes ports from its own slice of 20000-31999 (pytest-xdist's gw0,
+# gw1, ...), below the kernel's ephemeral range (32768 and up here): no other test process
+# and no outgoing connection's local port can take one between the check and the bind.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+_SLICE = 3000
+_LOW = 20000 + (int(_worker) if _worker.isdigit() else 0) % 4 * _SLICE
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range (32768 and up here), so that no
-    outgoing connection's local port takes it before the service binds it."""
+    """A port free now, never handed out before by this process."""
     while True:
-        port = random.randrange(20000, 32000)
+        port = random.randrange(_LOW, _LOW + _SLICE)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _given.add(port)
+        return port
 
 
 class Topology:
