@@ -211,7 +211,13 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
     """A prefill worker told to stop finishes the prompts it holds and hands their KV to
     the decode workers (no recompute); health reads NOT_SERVING meanwhile; every request
     gets the undisturbed text. Runs last: the prefill worker is gone afterwards."""
-    p, router = faults["p"], faults["router"]
+    p, topo = faults["p"], faults["topology"]
+    # A router of its own that waits a minute before it calls a silent worker down: the
+    # decode workers are paused below for as long as the prefill worker takes to hold a
+    # lease, which on a loaded machine is more than the module router's 3 s.
+    router = topo.start("router", "--prefill", p, "--decode", faults["d1"], "--decode",
+                        faults["d2"], "--worker-timeout", "60")
+    until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
     # About 100 tokens each: four fit in the prefill worker's pool at once, so when the
     # drain starts some are still waiting, some prefilling, some held under leases.
     prompts = [f"Drain probe {i}: tell me about harbours and their ships. " * 8
@@ -227,7 +233,6 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
         except grpc.RpcError as e:
             results[i] = (e.code(), e.details())
 
-    topo = faults["topology"]
     # The decode workers pause (for less than the router's --worker-timeout), so the
     # prefill worker still holds leases when the drain starts, and the drain waits on them.
     for d in ("d1", "d2"):
