@@ -48,8 +48,7 @@ def open_to_anyone(role: str, service: ServiceConfig, router: RouterConfig | Non
             return None
         return (f"{where} with no API key: anyone who reaches it can send requests "
                 "(set --api-key or --api-key-file)")
-    if service.tls_ca or getattr(service, "cluster_token", None) or getattr(
-            service, "cluster_token_file", None):
+    if service.tls_ca or service.cluster_token or service.cluster_token_file:
         return None
     return (f"{where} with neither a cluster token nor mutual TLS: anyone who reaches it "
             "can call it (set --cluster-token, or --tls-ca with --tls-cert and --tls-key)")

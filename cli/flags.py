@@ -31,6 +31,9 @@ CLUSTER = ("router", "prefill", "decode")  # the roles that call or serve worker
 DEFAULT_PORTS = {"router": 50051, "prefill": 50061, "decode": 50071, "colocated": 50051}
 CONFIGS = {"engine": EngineConfig, "worker": WorkerConfig, "router": RouterConfig,
            "service": ServiceConfig, "spec": SpecConfig, "limits": Limits}
+# The roles that build each config: a flag fills only the configs its role builds.
+BUILT_BY = {"engine": WORKERS, "worker": WORKERS, "spec": WORKERS, "router": ROUTERS,
+            "limits": ROUTERS, "service": ROLES}
 
 
 @dataclass(frozen=True)
@@ -337,11 +340,8 @@ def values(ns: argparse.Namespace, flags: list[Flag], role: str) -> dict[str, di
                 else getattr(ns, f"{flag.dest}_env")
             value = tuple(value)
         for config, field in flag.fills:
-            if config in ("router", "limits") and role not in ROUTERS:
-                continue
-            if config in ("engine", "worker", "spec") and role not in WORKERS:
-                continue
-            out[config][field] = value
+            if role in BUILT_BY[config]:
+                out[config][field] = value
     return out
 
 

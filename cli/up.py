@@ -17,7 +17,7 @@ from baton.cli.exposure import address, is_loopback, open_to_anyone, reachable
 from baton.cli.flags import Flag, add_flags, argv_for
 from baton.router.config import RouterConfig
 from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.services.rpc.processes import dial, spawn, stop_all, wait_healthy
 from baton.services.rpc.security import client_credentials, load_keys
 
 
@@ -126,22 +126,17 @@ def router_launch(args, flags: list[Flag], prefill: str, decode: str, env: dict[
     argv = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode", decode,
             "--http-port", str(args.http_port)]
     env = {k: v for k, v in env.items() if k != "BATON_API_KEY"}
-    if given_keys(args):
-        env["BATON_API_KEY"] = ",".join(given_keys(args))
+    if keys := given_keys(args):
+        env["BATON_API_KEY"] = ",".join(keys)
     return argv, env
 
 
 def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
     """The model's name in the OpenAI API, as the router says it."""
-    import grpc
-
     from baton.v1 import generation_pb2 as gen
     from baton.v1 import generation_pb2_grpc as gen_grpc
 
-    creds = client_credentials(ca)
-    channel = (grpc.secure_channel(router, creds) if creds is not None
-               else grpc.insecure_channel(router))
-    with channel:
+    with dial(router, client_credentials(ca)) as channel:
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         info = gen_grpc.GenerationStub(channel).GetModelInfo(
             gen.GetModelInfoRequest(), metadata=metadata, timeout=10).info

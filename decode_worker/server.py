@@ -194,8 +194,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         first, parent, decode = True, tracing.extract(context.invocation_metadata()), None
         try:
             async for out in self.aengine.generate(rid, add):
-                if on_output is not None:
-                    on_output()
+                if first and on_output is not None:
+                    on_output()  # the load is over (once; peers.holding)
                 if out.engine_failed:  # INTERNAL: the router moves the request elsewhere
                     raise Internal(out.error)
                 if out.error:  # ABORTED: a deliberate end (the router does not move it)

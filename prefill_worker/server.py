@@ -29,10 +29,10 @@ from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
     layout_message,
+    timings_message,
 )
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.runtime import make_engine, run_worker
-from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 
@@ -73,10 +73,9 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             raise Aborted(out.error if out is not None and out.error else "aborted")
         self.metrics.observe(out)
         spans.prompt(out, tracing.extract(context.invocation_metadata()))
-        reply = wk.PrefillResponse(
-            delta=delta_message(out), cached_tokens=out.num_cached_tokens,
-            timings=gen.Timings(queue_s=out.queue_time or 0.0,
-                                prefill_s=out.prefill_time or 0.0))
+        reply = wk.PrefillResponse(delta=delta_message(out),
+                                   cached_tokens=out.num_cached_tokens,
+                                   timings=timings_message(out))
         if out.handed_off:
             reply.handle.CopyFrom(wk.KvHandle(
                 engine_id=self.engine_id, request_id=rid, lease_id=out.kv_lease_id,

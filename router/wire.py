@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from baton.services.common import constraint_limits
-from baton.services.common.limits import Limits, OverLimit
+from baton.services.common.limits import Limits, check_bound
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
 
@@ -122,9 +122,13 @@ class _Walk:
             yield number, kind, i, j
             i = j
 
+    def tally(self, what: str, count: int) -> int:
+        """`what`'s count so far in the request (protobuf merges repeated messages)."""
+        self.counts[what] = self.counts.get(what, 0) + count
+        return self.counts[what]
+
     def add(self, where: str, limit: str, count: int) -> None:
-        self.counts[where] = self.counts.get(where, 0) + count
-        self.limits.check(limit, self.counts[where], where, more=True)
+        self.limits.check(limit, self.tally(where, count), where, more=True)
 
     def string(self, start: int, end: int, limit: str, where: str) -> None:
         if end - start > getattr(self.limits, limit):  # no more characters than bytes
@@ -155,12 +159,13 @@ class _Walk:
 
     def structured(self, start: int, end: int) -> None:
         """The engine's fixed bounds on a constraint (constraint_limits.py)."""
+        most = constraint_limits.MAX_CONSTRAINT_CHARS
         for number, kind, a, b in self.fields(start, end):
             if kind != LEN:
                 continue
-            if number in CONSTRAINT_STRINGS:
-                where = f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}"
-                self.bound(where, self.constraint_chars(a, b), "characters")
+            if number in CONSTRAINT_STRINGS and b - a > most:  # no more characters than bytes
+                check_bound(f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}",
+                            _chars(self.raw, a, b), most, "characters", more=True)
             elif number == CHOICE:
                 self.choices(a, b)
 
@@ -168,24 +173,10 @@ class _Walk:
         where = f"{STRUCTURED_FIELD}.choice"
         for number, kind, a, b in self.fields(start, end, frozenset({(CHOICES, LEN)})):
             if number == CHOICES and kind == LEN:
-                self.counts[where] = self.counts.get(where, 0) + 1
-                self.bound(where, self.counts[where], "choices",
-                           constraint_limits.MAX_CHOICES)
-                chars = self.counts.get(where + " chars", 0) + _chars(self.raw, a, b)
-                self.counts[where + " chars"] = chars
-                self.bound(where, chars, "characters")
-
-    def constraint_chars(self, start: int, end: int) -> int:
-        """The characters of a constraint's text, counted only when it might be too long."""
-        if end - start <= constraint_limits.MAX_CONSTRAINT_CHARS:
-            return end - start  # no more characters than bytes: within the bound anyway
-        return _chars(self.raw, start, end)
-
-    @staticmethod
-    def bound(where: str, got: int, unit: str,
-              bound: int = constraint_limits.MAX_CONSTRAINT_CHARS) -> None:
-        if got > bound:
-            raise OverLimit(f"{where}: more than the limit of {bound} {unit}")
+                check_bound(where, self.tally(where, 1), constraint_limits.MAX_CHOICES,
+                            "choices", more=True)
+                check_bound(where, self.tally(where + " chars", _chars(self.raw, a, b)),
+                            constraint_limits.MAX_CONSTRAINT_CHARS, "characters", more=True)
 
 
 def check_generate(limits: Limits) -> Callable[[bytes], None]:

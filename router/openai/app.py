@@ -68,8 +68,7 @@ class Guard:
         refusal = None
         key_id = self.security.key_id(headers.get("authorization"))
         if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            refusal = (413, error_body(InvalidArgument.code,
-                                       f"the body is over {MAX_BODY_BYTES} bytes")[1])
+            refusal = _too_big()
         elif key_id is None:
             refusal = error_body(grpc.StatusCode.UNAUTHENTICATED,
                                  "a valid API key is required: 'Authorization: Bearer <key>'")
@@ -86,9 +85,8 @@ class Guard:
             size += len(body[-1])
             more = message.get("more_body", False)
             if size > MAX_BODY_BYTES:
-                body = error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} "
-                                  "bytes")[1]
-                return await JSONResponse(body, status_code=413)(scope, receive, send)
+                status, too_big = _too_big()
+                return await JSONResponse(too_big, status_code=status)(scope, receive, send)
         # Replayed as it came, never joined here: a 31 MB body is joined (if at all) on
         # the intake's parse threads, not on the event loop.
         replay = iter([{"type": "http.request", "body": chunk, "more_body": i < len(body) - 1}
@@ -104,6 +102,10 @@ class Guard:
             await self.app(scope, replayed, send)
         finally:
             self.lifecycle.inflight -= 1
+
+
+def _too_big() -> tuple[int, dict]:
+    return 413, error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} bytes")[1]
 
 
 def make_app(router: Router, security: Security, lifecycle: Lifecycle,

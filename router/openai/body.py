@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
-from baton.services.common.limits import Limits, OverLimit
+from baton.services.common.limits import Limits, OverLimit, check_bound
 from baton.services.rpc.errors import InvalidArgument
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
@@ -92,12 +92,10 @@ def _count(raw: bytes, chars: tuple[bytes, ...], bound: int) -> int:
 
 def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
     """`limits.check`, or the engine's fixed bound on choices."""
-    if limit != CHOICES:
-        return limits.check(limit, got, where, more)
-    if got > constraint_limits.MAX_CHOICES:
-        what = "more than" if more else f"{got}, over"
-        raise OverLimit(f"{where}: {what} the limit of {constraint_limits.MAX_CHOICES} "
-                        "choices")
+    if limit == CHOICES:
+        check_bound(where, got, constraint_limits.MAX_CHOICES, "choices", more)
+    else:
+        limits.check(limit, got, where, more)
 
 
 class _Keys(dict):

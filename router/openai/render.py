@@ -66,7 +66,7 @@ class Choice:
     """What one choice has streamed, for the whole response and for usage."""
 
     index: int
-    text: str = ""
+    texts: list[str] = field(default_factory=list)  # joined once, at the end (`text`)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[gen.TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -76,7 +76,7 @@ class Choice:
 
     def add(self, reply: gen.GenerateResponse) -> None:
         d = reply.delta
-        self.text += d.text
+        self.texts.append(d.text)  # not `text +=`: that copies it all again per token
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.finish_reason:
@@ -86,6 +86,10 @@ class Choice:
         if reply.HasField("usage"):
             self.prompt_tokens = reply.usage.prompt_tokens
             self.cached_tokens = reply.usage.cached_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
 def usage(choices: list[Choice], n: int) -> dict:

@@ -59,14 +59,22 @@ class Limits:
                              f"ids the router makes), got {self.max_request_id_chars!r}")
 
     def check(self, name: str, got: int, where: str, more: bool = False) -> None:
-        """OverLimit naming the field `where` when `got` is over the limit `name`
-        (`more`: counting stopped past it, so `got` is only a lower bound)."""
+        """`check_bound` against the limit `name` (its flag named in the message)."""
         bound = getattr(self, name)
         if got > bound:
             unit = next(f for f in dataclasses.fields(self) if f.name == name).metadata["unit"]
-            what = "more than" if more else f"{got}, over"
-            raise OverLimit(f"{where}: {what} the limit of {bound} {unit} "
-                                  f"(--{name.replace('_', '-')})")
+            check_bound(where, got, bound, unit, more, flag=name.replace("_", "-"))
+
+
+def check_bound(where: str, got: int, bound: int, unit: str, more: bool = False,
+                flag: str | None = None) -> None:
+    """OverLimit naming the field `where` when `got` is over `bound` (a `Limits` field,
+    or one of the engine's fixed bounds; `more`: counting stopped past it, so `got` is
+    only a lower bound)."""
+    if got > bound:
+        what = "more than" if more else f"{got}, over"
+        tail = f" (--{flag})" if flag else ""
+        raise OverLimit(f"{where}: {what} the limit of {bound} {unit}{tail}")
 
 
 def check_ceiling(name: str, got: int, ceiling: int, unit: str) -> None:

@@ -54,10 +54,14 @@ class GrammarCompiler:
     def cached(self, constraint: StructuredOutput):
         """The compiled grammar if the cache holds it, else None; never compiles."""
         with self._lock:
-            hit = self._cache.get(constraint.key)
-            if hit is not None:
-                self._cache.move_to_end(constraint.key)
-            return hit
+            return self._hit(constraint.key)
+
+    def _hit(self, key: tuple):
+        """The cached grammar, now the most recently used, or None (under the lock)."""
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+        return hit
 
     def submit(self, constraint: StructuredOutput) -> Future:
         """A future of the compiled grammar, the caller's own (cancelling it touches no
@@ -65,9 +69,8 @@ class GrammarCompiler:
         mine: Future = Future()
         key = constraint.key
         with self._lock:
-            hit = self._cache.get(key)
+            hit = self._hit(key)
             if hit is not None:
-                self._cache.move_to_end(key)
                 mine.set_result(hit)
                 return mine
             job = self._pending.get(key)

@@ -91,9 +91,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
         meta, has_output, tensors, count = cached
         return ModelConfig.from_gguf(meta, has_output), _progress(tensors, count, path.name)
     reader = GGUFReader(str(path))
-    names = {t.name for t in reader.tensors}
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
     meta = _gguf_meta(reader)
-    config = ModelConfig.from_gguf(meta, "output.weight" in names)
+    config = ModelConfig.from_gguf(meta, has_output)
     permuted = config.family in ("llama", "mistral")
     gemma = config.family.startswith("gemma")
     layer_names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
@@ -119,7 +119,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
                 w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
             yield name, w
 
-    tensors = write_through(path, meta, "output.weight" in names, weights())
+    tensors = write_through(path, meta, has_output, weights())
     return config, _progress(tensors, len(reader.tensors), path.name)
 
 

@@ -31,14 +31,14 @@ def _automaton(stops: tuple[str, ...]) -> tuple[list, list, list, list]:
             node = child
         stop[node] = s
     fail = [0] * len(edges)
-    queue = deque(edges[0].values())
+    queue = deque(edges[0].values())  # the root's children fail to the root
     while queue:  # breadth first: a node's fail is shallower, so already known
         node = queue.popleft()
         for ch, child in edges[node].items():
             f = fail[node]
             while f and ch not in edges[f]:
                 f = fail[f]
-            f = fail[child] = edges[f].get(ch, 0) if node else 0
+            f = fail[child] = edges[f].get(ch, 0)
             if stop[child] is None:  # a shorter stop string that ends here
                 stop[child] = stop[f]
             queue.append(child)
@@ -61,6 +61,8 @@ class StopMatcher:
     def feed(self, text: str) -> tuple[int, str] | None:
         """Advance over `text`. At the first stop string that completes, stop there and
         return (the index in `text` just past it, the stop string); else None."""
+        if not self._next[0]:  # no stop strings: nothing to scan
+            return None
         edges, fail, stop, state = self._next, self._fail, self._stop, self._state
         for i, ch in enumerate(text):
             while state and ch not in edges[state]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import grpc
 
-from baton.services.common.capacity import RETRY_AFTER_S  # the default hint
+from baton.services.common.capacity import AtCapacity
 
 
 class ServiceError(Exception):
@@ -31,13 +31,11 @@ class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class Overloaded(ServiceError):
-    """A queue is full: the caller should come back after `retry_after_s`."""
+class Overloaded(AtCapacity, ServiceError):
+    """AtCapacity raised by the shell (the router's or a worker's queue): its message and
+    its hint are AtCapacity's."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-    def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S):
-        super().__init__(f"{message}; retry after {retry_after_s:.1f}s", retry_after_s)
 
 
 class Unavailable(ServiceError):

@@ -23,14 +23,18 @@ def spawn(role: str, address: str, flags: list[str], **popen) -> subprocess.Pope
     return subprocess.Popen(serve_command(role, address, *flags), **popen)
 
 
+def dial(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A tool's channel to a service: TLS with `credentials`, else plaintext."""
+    return (grpc.secure_channel(address, credentials) if credentials is not None
+            else grpc.insecure_channel(address))
+
+
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until `address` answers SERVING, or raise if the process died or time ran out
     (`credentials`: TLS to it)."""
     deadline = time.monotonic() + timeout
-    channel = (grpc.secure_channel(address, credentials) if credentials is not None
-               else grpc.insecure_channel(address))
-    with channel:
+    with dial(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -47,9 +51,7 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
 
 def is_serving(address: str, timeout: float = 3.0,
                credentials: grpc.ChannelCredentials | None = None) -> bool:
-    channel = (grpc.secure_channel(address, credentials) if credentials is not None
-               else grpc.insecure_channel(address))
-    with channel:
+    with dial(address, credentials) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                               timeout=timeout)

@@ -94,11 +94,9 @@ class Security:
         guarded = set(methods)
 
         def check(method: str, metadata) -> str | None:
-            if method not in guarded or not self.api_keys:
+            if method not in guarded or self.grpc_key_id(metadata) is not None:
                 return None
-            value = next((v for k, v in metadata or () if k == "authorization"), None)
-            return None if self.key_ok(value) else (
-                "a valid API key is required: metadata 'authorization: Bearer <key>'")
+            return "a valid API key is required: metadata 'authorization: Bearer <key>'"
 
         return check
 
@@ -137,12 +135,11 @@ class Security:
                                        interceptors=interceptors)
 
     def channel(self, address: str) -> grpc.Channel:
+        """`aio_channel`'s blocking twin (the receiver's threads)."""
         creds = self.channel_credentials()
-        if creds is None:
-            return self.cluster.intercept(grpc.insecure_channel(address,
-                                                                options=CHANNEL_OPTIONS))
-        return self.cluster.intercept(grpc.secure_channel(address, creds,
-                                                          options=self._tls_options()))
+        channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if creds is None
+                   else grpc.secure_channel(address, creds, options=self._tls_options()))
+        return self.cluster.intercept(channel)
 
     def _tls_options(self) -> list[tuple[str, object]]:
         if self.server_name is None:

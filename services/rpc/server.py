@@ -30,7 +30,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from baton.kv_transfer.base import IncompatibleLayout
-from baton.services.common.capacity import AtCapacity
+from baton.services.common.capacity import RETRY_AFTER_S, AtCapacity
 from baton.services.rpc.config import DRAIN_GRACE_S
 from baton.services.rpc.errors import InvalidArgument, ServiceError, retry_metadata
 
@@ -126,7 +126,8 @@ async def _abort(context, e: Exception, method: str):
     if code == grpc.StatusCode.INTERNAL and not isinstance(e, ServiceError):
         log.error("%s failed", method, exc_info=e)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        context.set_trailing_metadata(retry_metadata(getattr(e, "retry_after_s", None) or 1.0))
+        hint = getattr(e, "retry_after_s", None) or RETRY_AFTER_S
+        context.set_trailing_metadata(retry_metadata(hint))
     await context.abort(code, details)
 
 
@@ -139,14 +140,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, lifecycle: Lifecycle):
         self.lifecycle = lifecycle
+        # method -> (its handler, its raw check, the guarded handler): gRPC asks for every
+        # call, and the guard depends on nothing else, so it is built once per method.
+        self._guarded: dict[str, tuple] = {}
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        method, state = details.method, self.lifecycle
+        method = details.method
+        check = self.lifecycle.request_checks.get(method)
+        known = self._guarded.get(method)
+        if known is None or known[0] is not handler or known[1] is not check:
+            known = (handler, check, self._guard(method, handler, check))
+            self._guarded[method] = known
+        return known[2]
+
+    def _guard(self, method: str, handler, check: Callable[[bytes], None] | None):
+        state = self.lifecycle
         work = method in state.work_methods
-        check = state.request_checks.get(method)
         load = _loader(handler.request_deserializer, check)
         offload = check is not None and not handler.request_streaming
         # A checked request reaches `guarded` as its raw bytes: parsed there, off the loop.

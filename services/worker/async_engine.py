@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle engine thread still wakes this often (lease expiry)
 LOAD_WAIT_S = 0.001  # while only remote KV loads are pending: poll this often
-RETRY_AFTER_S = 1.0  # the hint given with RESOURCE_EXHAUSTED
 
 
 class AsyncEngine:
@@ -94,7 +93,7 @@ class AsyncEngine:
             # Checked on the engine thread, so the count cannot change under us.
             if self.max_waiting is not None and engine.num_waiting >= self.max_waiting:
                 raise Overloaded(f"worker at capacity: {engine.num_waiting} requests "
-                                 f"waiting (limit {self.max_waiting})", RETRY_AFTER_S)
+                                 f"waiting (limit {self.max_waiting})")
             result = add(engine)
             admitted.set()
             return result

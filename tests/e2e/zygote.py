@@ -35,7 +35,6 @@ def preload() -> None:
     """What every service imports, imported once (no torch op runs, no thread starts)."""
     import grpc  # noqa: F401
     import torch  # noqa: F401
-    import transformers  # noqa: F401
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
     from transformers.models.llama import configuration_llama  # noqa: F401
 

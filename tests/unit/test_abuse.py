@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import socket
 import sys
 import threading
 import time
@@ -25,53 +24,39 @@ from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import CHANNEL_OPTIONS
 from baton.v1 import generation_pb2 as gen
+from tests.e2e.topology import free_port
 from tests.unit.router_fakes import PROMPT, cluster, expected
+from tests.unit.test_limits import _group, _len_field
 
 ROOT = Path(__file__).resolve().parents[2]
 MILLION = 1_000_000
 GENERATE, TOKENIZE = "/baton.v1.Generation/Generate", "/baton.v1.Generation/Tokenize"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    return bytes(out + bytes([n]))
+def _number(message, field: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[field].number
 
 
 def _many_messages(message, n: int, role: str = "user") -> bytes:
     """`message`'s type with a chat of `n` empty messages, as wire bytes (built by
     repeating one message's bytes: a million protobuf objects would take seconds)."""
     one = gen.ChatMessages(messages=[gen.ChatMessage(role=role)]).SerializeToString()
-    number = message.DESCRIPTOR.fields_by_name["chat"].number
-    return bytes([number << 3 | 2]) + _varint(len(one) * n) + one * n
+    return _len_field(_number(message, "chat"), one * n)
 
 
 def _group_then_messages(n: int) -> bytes:
     """A 4-byte empty group (which protobuf keeps as an unknown field), then a chat of `n`
     messages with no fields at all."""
-    return _varint(2000 << 3 | 3) + _varint(2000 << 3 | 4) + _many_messages(
-        gen.GenerateRequest, n, role="")
+    return _group(2000) + _many_messages(gen.GenerateRequest, n, role="")
 
 
 def _many_choices(n: int) -> bytes:
     """Generate with a structured-output choice of `n` one-character strings."""
     one = gen.Choices(choices=["a"]).SerializeToString()
-    choices = _varint(len(one) * n) + one * n
-    number = gen.StructuredOutput.DESCRIPTOR.fields_by_name["choice"].number
-    structured = _varint(number << 3 | 2) + choices
-    number = gen.SamplingParams.DESCRIPTOR.fields_by_name["structured_output"].number
-    sampling = _varint(number << 3 | 2) + _varint(len(structured)) + structured
-    number = gen.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].number
-    return gen.GenerateRequest(text="hi").SerializeToString() + _varint(
-        number << 3 | 2) + _varint(len(sampling)) + sampling
+    structured = _len_field(_number(gen.StructuredOutput, "choice"), one * n)
+    sampling = _len_field(_number(gen.SamplingParams, "structured_output"), structured)
+    return gen.GenerateRequest(text="hi").SerializeToString() + _len_field(
+        _number(gen.GenerateRequest, "sampling"), sampling)
 
 
 def _strings(key: bytes, n: int) -> bytes:
@@ -170,7 +155,7 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
         # Workers are not what is tested: slow polls on a busy machine must not mark them
         # down (the poller below would see any stall of the loop anyway).
         async with cluster(tok, worker_timeout=30) as c:
-            port = _free_port()
+            port = free_port()
             config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port)
             http = HttpServer(config, c.router, Security(ServiceConfig(), ()), c.lifecycle)
             await http.start()

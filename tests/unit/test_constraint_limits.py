@@ -5,27 +5,21 @@ recurses through is refused as bad input (never a RecursionError), over gRPC and
 
 from __future__ import annotations
 
-import asyncio
 import json
-from types import SimpleNamespace
 
 import grpc
-import httpx
 import pytest
 
-from baton.router.intake import Intake
-from baton.router.openai import app as app_module
 from baton.services.common.constraint_limits import (
     MAX_CHOICES,
     MAX_CONSTRAINT_CHARS,
     MAX_CONSTRAINT_DEPTH,
 )
 from baton.services.common.sampling_params import StructuredOutput
-from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import InvalidArgument
-from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
+from tests.unit.test_openai_errors import call
+from tests.unit.test_structured_api import _job
 
 
 def nested_schema(depth: int) -> str:
@@ -77,36 +71,10 @@ def test_size_and_choice_count_are_bounded():
 
 
 def test_the_router_refuses_a_deep_schema_over_grpc_as_invalid_argument():
-    intake = Intake(tokenizer=None)
-    request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2, 3]), sampling=(
-        gen.SamplingParams(structured_output=gen.StructuredOutput(
-            json_schema=nested_schema(2_000)))))
-    try:
-        with pytest.raises(InvalidArgument) as e:
-            asyncio.run(intake.job(request, gen.ModelInfo(max_model_len=64, vocab_size=100)))
-    finally:
-        intake.close()
+    with pytest.raises(InvalidArgument) as e:
+        _job(gen.StructuredOutput(json_schema=nested_schema(2_000)))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling: structured output json: nested more than" in str(e.value)
-
-
-def _post(body: str) -> httpx.Response:
-    info = gen.ModelInfo(model="m", max_model_len=2048)
-    intake = Intake(tokenizer=None)
-    router = SimpleNamespace(model_info=lambda: info, max_inflight=8, inflight=0,
-                             intake=intake)
-    app = app_module.make_app(router, Security(ServiceConfig(), ()), Lifecycle())
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.post("/v1/chat/completions", content=body,
-                                headers={"content-type": "application/json"})
-
-    try:
-        return asyncio.run(main())
-    finally:
-        intake.close()
 
 
 @pytest.mark.parametrize("depth, param", [
@@ -118,7 +86,8 @@ def test_over_http_a_deep_schema_is_a_400_in_openais_shape(depth, param):
     body = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
             '"response_format": {"type": "json_schema", "json_schema": {"name": "x", '
             f'"schema": {nested_schema(depth)}}}}}}}')
-    got = _post(body)
+    got = call("POST", "/v1/chat/completions", content=body,
+               headers={"content-type": "application/json"})
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

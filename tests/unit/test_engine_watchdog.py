@@ -62,27 +62,16 @@ async def _until(check, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_hung_step_turns_health_not_serving_until_it_ends():
+def _watched(body) -> None:
+    """Runs `body(engine, aengine, lifecycle)` while the watchdog watches a GatedEngine."""
     engine = GatedEngine()
     aengine = AsyncEngine(engine, stall_timeout_s=STALL_S)
     lifecycle = Lifecycle()
 
     async def main():
-        await lifecycle.set_serving(True)
         watchdog = asyncio.get_running_loop().create_task(watch(aengine, lifecycle))
         try:
-            await asyncio.sleep(3 * STALL_S)  # steps go on: nothing to see
-            assert aengine.stalled_since() is None
-            assert await _health(lifecycle) == SERVING
-            engine.gate.clear()
-            hung_at = time.time()
-            await _until(lambda: _health_is(lifecycle, NOT_SERVING))
-            since = aengine.stalled_since()
-            assert since is not None and abs(since - hung_at) < 0.1
-            assert time.time() - hung_at >= STALL_S
-            engine.gate.set()  # the step ends after all
-            await _until(lambda: _health_is(lifecycle, SERVING))
-            assert aengine.stalled_since() is None
+            await body(engine, aengine, lifecycle)
         finally:
             watchdog.cancel()
             engine.gate.set()
@@ -91,30 +80,36 @@ def test_a_hung_step_turns_health_not_serving_until_it_ends():
         asyncio.run(main())
     finally:
         aengine.stop()
+
+
+def test_a_hung_step_turns_health_not_serving_until_it_ends():
+    async def body(engine, aengine, lifecycle):
+        await lifecycle.set_serving(True)
+        await asyncio.sleep(3 * STALL_S)  # steps go on: nothing to see
+        assert aengine.stalled_since() is None
+        assert await _health(lifecycle) == SERVING
+        engine.gate.clear()
+        hung_at = time.time()
+        await _until(lambda: _health_is(lifecycle, NOT_SERVING))
+        since = aengine.stalled_since()
+        assert since is not None and abs(since - hung_at) < 0.1
+        assert time.time() - hung_at >= STALL_S
+        engine.gate.set()  # the step ends after all
+        await _until(lambda: _health_is(lifecycle, SERVING))
+        assert aengine.stalled_since() is None
+
+    _watched(body)
 
 
 def test_a_stalled_engine_never_makes_a_draining_worker_serving():
-    engine = GatedEngine()
-    aengine = AsyncEngine(engine, stall_timeout_s=STALL_S)
-    lifecycle = Lifecycle()
+    async def body(engine, aengine, lifecycle):
+        engine.gate.clear()
+        await _until(lambda: aengine.stalled_since() is not None)
+        lifecycle.draining = True
+        await lifecycle.set_serving(False)
+        engine.gate.set()
+        await _until(lambda: aengine.stalled_since() is None)
+        await asyncio.sleep(0.3)  # the watchdog has looked again
+        assert await _health(lifecycle) == NOT_SERVING
 
-    async def main():
-        watchdog = asyncio.get_running_loop().create_task(watch(aengine, lifecycle))
-        try:
-            engine.gate.clear()
-            await _until(lambda: aengine.stalled_since() is not None)
-            lifecycle.draining = True
-            await lifecycle.set_serving(False)
-            engine.gate.set()
-            await _until(lambda: aengine.stalled_since() is None)
-            await asyncio.sleep(0.3)  # the watchdog has looked again
-            assert await _health(lifecycle) == NOT_SERVING
-        finally:
-            watchdog.cancel()
-            engine.gate.set()
-
-    try:
-        asyncio.run(main())
-    finally:
-        aengine.stop()
-
+    _watched(body)

@@ -10,10 +10,8 @@ import asyncio
 import json
 import random
 import threading
-from types import SimpleNamespace
 
 import grpc
-import httpx
 import pytest
 
 from baton.router import wire
@@ -25,11 +23,10 @@ from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.services.common import constraint_limits
 from baton.services.common.limits import Limits, OverLimit
 from baton.services.common.sampling_params import SamplingParams
-from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import InvalidArgument
-from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, status_of
+from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
+from tests.unit.test_openai_errors import call
 
 SMALL = Limits(max_prompts=3, max_n=2, max_messages=3, max_prompt_chars=10,
                max_prompt_token_ids=5, max_stop=2, max_stop_chars=4, max_stop_token_ids=2,
@@ -237,6 +234,15 @@ def test_protobuf_takes_a_group_in_front_of_the_messages_the_walk_does_not():
         wire.check_generate(SMALL)(raw)
 
 
+def test_fields_without_a_limit_of_their_own_are_bounded_in_all():
+    unknown = _varint(1000 << 3) + b"\x01"  # a varint field protobuf keeps as unknown
+    check = wire.check_generate(Limits())
+    assert wire.OTHER_FIELDS == 4096  # README's Limits table
+    check(_raw(text="a") + unknown * (wire.OTHER_FIELDS - 1))
+    with pytest.raises(InvalidArgument, match="^request: more protobuf fields"):
+        check(_raw(text="a") + unknown * wire.OTHER_FIELDS)
+
+
 def _unpacked_ids(ids: list[int]) -> bytes:
     inner = b"".join(bytes([wire.IDS << 3]) + _varint(i) for i in ids)
     return _len_field(wire.TOKEN_IDS, inner)
@@ -314,6 +320,19 @@ def test_a_schema_with_more_values_than_its_size_bound_stops_the_counting_parse(
     assert load_json(json.dumps(fine).encode(), Limits()) == fine
 
 
+def test_a_body_holds_at_most_its_budget_of_objects_and_arrays(monkeypatch):
+    monkeypatch.setattr(body_module, "CHEAP", 0)
+    containers, values = body_module.budgets(Limits())
+    assert (containers, values) == (12_544, 1_149_184)  # README's Limits table
+
+    def body(n: int) -> bytes:  # the body, "x" and n empty arrays
+        return json.dumps({"model": "m", "x": [[]] * n}).encode()
+
+    load_json(body(containers - 2), Limits())
+    with pytest.raises(InvalidArgument, match="^body: more JSON objects and arrays"):
+        load_json(body(containers - 1), Limits())
+
+
 def test_a_limit_is_a_value_error_that_names_its_field_over_http():
     with pytest.raises(ValueError) as e:
         SMALL.check("max_stop", 3, "stop")
@@ -326,19 +345,7 @@ def test_bodies_are_parsed_on_parse_threads_never_the_tokenizers(monkeypatch):
     threads = []
     monkeypatch.setattr(app_module, "parse_body", lambda *a: (
         threads.append(threading.current_thread().name), parse_body(*a))[1])
-    intake = Intake(tokenizer=None, limits=SMALL)
-    router = SimpleNamespace(model_info=lambda: gen.ModelInfo(model="m", max_model_len=64),
-                             max_inflight=8, inflight=0, intake=intake)
-    app = app_module.make_app(router, Security(ServiceConfig(), ()), Lifecycle())
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.post("/v1/completions", json={"model": "m", "prompt": ["a"] * 4})
-
-    try:
-        reply = asyncio.run(main())
-    finally:
-        intake.close()
+    reply = call("POST", "/v1/completions",
+                 json={"model": "m", "prompt": ["a"] * (Limits().max_prompts + 1)})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
     assert len(threads) == 1 and threads[0].startswith("parse"), threads

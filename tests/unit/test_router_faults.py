@@ -165,22 +165,30 @@ def test_no_decode_worker_left_that_pairs_with_the_prefill_worker_recomputes(tok
     run(main())
 
 
+async def _stream_striking_its_decode_worker(c, fault: str):
+    """Streams 12 tokens of PROMPT, checked; after the third message, the decode worker
+    serving it suffers `fault` (a fake worker's method). Returns that worker and the
+    seconds from the fault to the next message."""
+    msgs = []
+    async for m in c.stub.Generate(request(PROMPT, 12), timeout=20):
+        msgs.append(m)
+        if len(msgs) == 3:
+            victim = next(d for d in c.decode if d.decodes)
+            getattr(victim, fault)()
+            struck = time.monotonic()
+        elif len(msgs) == 4:
+            moved_after = time.monotonic() - struck
+    assert tokens(msgs) == expected(PROMPT, 12)
+    return victim, moved_after
+
+
 def test_a_frozen_decode_worker_counts_as_dead_within_the_worker_timeout(tok):
     """SIGSTOP-like: alive, silent. The registry's polls get no answer for worker_timeout
     (0.5 s here), so it is marked down and the stream moves on to the other worker."""
 
     async def main():
         async with cluster(tok, decodes=2) as c:
-            msgs, t_frozen = [], None
-            async for m in c.stub.Generate(request(PROMPT, 12), timeout=20):
-                msgs.append(m)
-                if len(msgs) == 3:
-                    victim = next(d for d in c.decode if d.decodes)
-                    victim.freeze()
-                    t_frozen = time.monotonic()
-                elif t_frozen is not None and len(msgs) == 4:
-                    moved_after = time.monotonic() - t_frozen
-            assert tokens(msgs) == expected(PROMPT, 12)
+            _, moved_after = await _stream_striking_its_decode_worker(c, "freeze")
             assert moved_after < 0.5 + 0.05 + 1.0  # timeout + poll interval + slack
 
     run(main())
@@ -234,16 +242,7 @@ def test_a_decode_worker_whose_engine_stalled_counts_as_dead(tok):
 
     async def main():
         async with cluster(tok, decodes=2) as c:
-            msgs, t_stalled = [], None
-            async for m in c.stub.Generate(request(PROMPT, 12), timeout=20):
-                msgs.append(m)
-                if len(msgs) == 3:
-                    victim = next(d for d in c.decode if d.decodes)
-                    victim.stall_engine()
-                    t_stalled = time.monotonic()
-                elif t_stalled is not None and len(msgs) == 4:
-                    moved_after = time.monotonic() - t_stalled
-            assert tokens(msgs) == expected(PROMPT, 12)
+            victim, moved_after = await _stream_striking_its_decode_worker(c, "stall_engine")
             assert moved_after < 1.0  # a poll (0.05 s) and the move: no need to go silent
             worker = next(w for w in c.registry.decode if w.address == victim.address)
             assert worker.state == "down"

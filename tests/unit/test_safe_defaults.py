@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
 
 import grpc
@@ -28,14 +27,9 @@ from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.certs import CA
+from tests.e2e.topology import free_port
 
 TOKEN = "t" * 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- /metrics ---------------------------------------------------------------------------
@@ -51,7 +45,7 @@ def test_metrics_listen_on_the_services_own_host_unless_told(address, host, bind
 def test_metrics_of_a_service_with_a_certificate_are_served_over_tls(tmp_path):
     ca = CA(tmp_path, "ca")
     cert, key = ca.issue("worker")
-    port = _free_port()
+    port = free_port()
     server = serve_metrics(ServiceConfig("127.0.0.1:50061", tls_cert=str(cert),
                                          tls_key=str(key), metrics_port=port), [])
     try:

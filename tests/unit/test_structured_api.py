@@ -11,17 +11,14 @@ import re
 from types import SimpleNamespace
 
 import grpc
-import httpx
 import pytest
 from prometheus_client import generate_latest
 
 from baton.router.intake import Intake
-from baton.router.openai import app as app_module
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, param_of
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
-from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.convert import (
     FINISH,
     FINISH_NAME,
@@ -30,12 +27,12 @@ from baton.services.rpc.convert import (
     sampling_params,
 )
 from baton.services.rpc.errors import InvalidArgument
-from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from baton_client import AsyncClient, Client, generate_request
 from baton_client.results import chunk_of, finish_name
+from tests.unit.test_openai_errors import call
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
@@ -225,26 +222,11 @@ def test_tools_functions_and_logit_bias_are_still_refused(body, field):
 
 
 def test_over_http_a_bad_constraint_is_a_400_naming_the_field():
-    info = gen.ModelInfo(model="m", max_model_len=2048)
-    intake = Intake(tokenizer=None)  # the body is parsed on its threads
-    router = SimpleNamespace(model_info=lambda: info, max_inflight=8, inflight=0,
-                             intake=intake)
-    app = app_module.make_app(router, Security(ServiceConfig(), ()), Lifecycle())
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            chat = await c.post("/v1/chat/completions", json={
-                "model": "m", "messages": MESSAGES,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
-            completion = await c.post("/v1/completions", json={
-                "model": "m", "prompt": "p", "guided_choice": "yes"})
-        return chat, completion
-
-    try:
-        chat, completion = asyncio.run(main())
-    finally:
-        intake.close()
+    chat = call("POST", "/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    completion = call("POST", "/v1/completions", json={
+        "model": "m", "prompt": "p", "guided_choice": "yes"})
     assert chat.status_code == 400 and completion.status_code == 400
     assert chat.json()["error"]["param"] == "response_format"
     assert chat.json()["error"]["type"] == "invalid_request_error"
