@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import weakref
 from pathlib import Path
 
@@ -92,18 +93,50 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Marks: `e2e` on everything under tests/e2e (services as processes). With xdist,
-    each module runs whole on one process (its module-scoped engines and topologies are
-    built once), the modules that share the session's topology run on one process, and
-    so do those that share transformers' reference model (`hf_model`, 40 s to build)."""
+    """Marks `e2e` on everything under tests/e2e (services as processes). Then the order:
+    modules with `slow` tests first, then the e2e ones, then the many short ones, so that
+    with xdist the long modules start early and the short ones even out the end."""
     for item in items:
         if "tests/e2e/" in item.nodeid:
             item.add_marker(pytest.mark.e2e)
-    modules: dict[str, set[str]] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], set()).update(item.fixturenames)
-    for item in items:
-        used = modules[item.nodeid.split("::")[0]]
-        group = ("topology" if "topology" in item.fixturenames
-                 else "hf_model" if "hf_model" in used else item.nodeid.split("::")[0])
-        item.add_marker(pytest.mark.xdist_group(group))
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        module = item.nodeid.split("::")[0]
+        return 0 if module in slow else 1 if "tests/e2e/" in module else 2
+
+    items.sort(key=rank)  # stable: each module keeps its own order
+
+
+# With xdist, each module runs whole on one process (its module-scoped engines and
+# topologies are built once), the modules that share the session's topology run on one
+# process, and so do those that share transformers' reference model (`hf_model`, 30 s to
+# build). xdist's own `xdist_group` marks do not reach its scheduler under this pytest
+# (it renames a node attribute the scheduler no longer reads), so the scheduler here
+# groups by module, from the nodeid, reading which shared fixture a module's tests take.
+_SHARED = ("topology", "hf_model")
+
+
+def _group(rootpath: Path, module: str, cache: dict[str, str] = {}) -> str:  # noqa: B006
+    if module not in cache:
+        try:
+            text = (rootpath / module).read_text()
+        except OSError:
+            text = ""
+        takes = {name for name in _SHARED
+                 if re.search(rf"def test_\w*\([^)]*\b{name}\b", text)}
+        cache[module] = next((name for name in _SHARED if name in takes), module)
+    return cache[module]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (the Makefile's), grouped as said above."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(config.rootpath, nodeid.split("::")[0])
+
+    return ByModule(config, log)
