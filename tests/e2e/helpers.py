@@ -44,6 +44,21 @@ def stats(address: str) -> wk.GetStatsResponse:
         return wk_grpc.WorkerServiceStub(ch).GetStats(wk.GetStatsRequest(), timeout=5)
 
 
+def running_worker(workers: dict[str, str], names: tuple[str, ...]) -> str:
+    """The name of the worker (of `names` in `workers`, those still up) that runs a
+    request now: polled, as a tiny model's request can be between steps at any moment."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for name in names:
+            try:
+                if stats(workers[name]).num_running:
+                    return name
+            except grpc.RpcError:  # drained or killed by an earlier test
+                continue
+        time.sleep(0.005)
+    raise AssertionError("no decode worker was running the request")
+
+
 def all_free(address: str) -> bool:
     s = stats(address)
     return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==

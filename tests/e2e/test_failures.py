@@ -14,7 +14,7 @@ import pytest
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from tests.e2e.helpers import greedy, joined, run, stats, until_served
+from tests.e2e.helpers import greedy, joined, run, running_worker, stats, until_served
 from tests.e2e.topology import Topology, channel
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 3
@@ -121,20 +121,6 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
     assert [results.get(i) for i in range(8)] == [(w.token_ids, w.text) for w in want]
 
 
-def _running(cluster, names: tuple[str, ...]) -> str:
-    """The decode worker (of those still up) that runs a request now."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        for name in names:
-            try:
-                if stats(cluster[name]).num_running:
-                    return name
-            except grpc.RpcError:  # drained or killed by an earlier test
-                continue
-        time.sleep(0.005)
-    raise AssertionError("no decode worker was running the request")
-
-
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
     # Long enough that the tiny model is still decoding when the sixth token arrives.
     n = 2000
@@ -147,7 +133,7 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
         for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
             msgs.append(msg)
             if len(msgs) == 6:  # mid-stream: kill whichever decode worker runs it
-                victim = _running(cluster, ("d1", "d2", "d3"))
+                victim = running_worker(cluster, ("d1", "d2", "d3"))
                 cluster["topology"].kill(cluster[victim])
                 killed.append(victim)
     assert killed and joined(msgs) == (ref.token_ids, ref.text)

@@ -21,7 +21,15 @@ from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
+from tests.e2e.helpers import (
+    all_free_within,
+    greedy,
+    joined,
+    run,
+    running_worker,
+    stats,
+    until_served,
+)
 from tests.e2e.topology import Topology, channel
 
 LEASE_S = 4.0
@@ -184,18 +192,19 @@ def test_a_frozen_prefill_worker_is_treated_as_dead(faults, offline):
 
 def test_a_frozen_decode_worker_mid_stream_hands_over(faults, offline):
     router, topo = faults["router"], faults["topology"]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # Long enough that the tiny model is still decoding when the fourth reply arrives.
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     prompt = "Count the waves as they come in, one by one. "
     ref = offline.generate([prompt], params)[0]
     until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
     msgs, frozen = [], []
     try:
         with channel(router) as ch:
-            req = gen.GenerateRequest(text=prompt, sampling=greedy(40, ignore_eos=True))
+            req = gen.GenerateRequest(text=prompt, sampling=greedy(1000, ignore_eos=True))
             for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=60):
                 msgs.append(msg)
                 if len(msgs) == 4:
-                    victim = next(d for d in ("d1", "d2") if stats(faults[d]).num_running)
+                    victim = running_worker(faults, ("d1", "d2"))
                     topo.kill(faults[victim], signal.SIGSTOP)
                     frozen.append((victim, time.monotonic()))
                 elif len(msgs) == 5:

@@ -13,8 +13,6 @@ from baton.services.engine import SamplingParams
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
-    "Once upon a time, in a land far away, there lived a",
-    "List three colours of the rainbow:",
 ]
 
 
@@ -24,8 +22,9 @@ def _prompts(tokenizer) -> list[list[int]]:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Name a planet."}],
                                          add_generation_prompt=True, tokenize=False)
     prompts.append(tokenizer.encode(chat))
-    # Random tokens, 8 to 500 long (real text gets dull fast; random ids stress positions).
-    for length in [8, 9, 15, 16, 17, 33, 64, 100, 160, 250, 333, 420, 500]:
+    # Random tokens (real text gets dull fast; random ids stress positions): around the
+    # 16-token block, one past the 96-token step, one of 500 (31 full blocks and a part).
+    for length in [8, 15, 16, 17, 100, 500]:
         prompts.append([rng.randint(100, tokenizer.vocab_size - 1) for _ in range(length)])
     return prompts
 
@@ -40,16 +39,18 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 @pytest.mark.slow
 def test_greedy_matches_hf_with_chunks_and_preemption(make_llm, hf_model):
-    # ~100 blocks of 16 tokens: far less than the 18 requests need together.
+    # 43 blocks of 16 tokens: the 500-token prompt takes 33 of them, the 9 requests need
+    # about 60 together.
     llm = make_llm(dtype="float32", max_num_batched_tokens=96, max_num_seqs=18,
-                   kv_cache_gib=0.07)
+                   kv_cache_gib=0.03)
     engine = llm.engine
     prompts = _prompts(llm.tokenizer)
-    assert len(prompts) >= 16 and max(map(len, prompts)) == 500 and min(map(len, prompts)) <= 8
+    assert max(map(len, prompts)) == 500 and min(map(len, prompts)) <= 8
     params = SamplingParams(max_tokens=24, temperature=0)
     outs = llm.generate(prompts, params)
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert engine.scheduler.num_partial_prefills > 0, "prompts were meant to run in chunks"
+    assert any(o.finish_reason == "stop" for o in outs), "the chat reply was meant to end"
     for prompt, out in zip(prompts, outs, strict=False):
         want = _hf_greedy(hf_model, prompt, 24)
         assert out.token_ids == want, f"prompt of {len(prompt)} tokens diverged"

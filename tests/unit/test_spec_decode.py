@@ -6,6 +6,7 @@ against the target's, and the acceptance counters."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from baton.services.engine import SamplingParams
 from baton.services.engine.config import SpecConfig
 from baton.services.engine.sampler import Sampler, SamplingRow
 from baton.services.engine.spec_decode import NgramIndex
-from tests.unit.engine_helpers import assert_idle, greedy
+from tests.unit.engine_helpers import assert_idle, greedy, run_steps
 
 # The batch-size threshold lifted: these tests check the mechanism on batches of 8.
 SPEC = SpecConfig(method="ngram", num_speculative_tokens=4, ngram_min=2, ngram_max=4,
@@ -65,68 +66,102 @@ def prompts(llm) -> list[list[int]]:
                    for _ in range(4)]
 
 
-@pytest.mark.slow
-def test_greedy_with_drafts_equals_greedy_without(engines):
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+
+
+def rows(llm) -> list[tuple[list[int], SamplingParams]]:
+    """One batch of every kind of request: each end condition (max_tokens past EOS, a
+    stop string, a max_tokens that cuts the drafts, EOS) and logprobs on the repeating
+    prompts, where drafts are accepted, and on the others; seeded sampling."""
+    repeat, copy, count, poem, *rand = prompts(llm)
+    past_eos, stop = greedy(48, ignore_eos=True), greedy(48, stop=["fox runs"])
+    short, logprobs = greedy(7), greedy(24, logprobs=2)
+    return [(repeat, past_eos), (copy, past_eos),  # first: the prefix-cache test's rows
+            (repeat, stop), (copy, stop), (repeat, short), (copy, logprobs),
+            (count, logprobs), (poem, stop),
+            (rand[0], past_eos), (rand[1], stop), (rand[2], short), (rand[3], logprobs),
+            (repeat, SEEDED), (copy, SEEDED)]
+
+
+DRAFTING = range(6)  # the rows of the repeating prompts, greedy: each must accept drafts
+
+
+def run_rows(llm, batch):
+    """Run (prompt, params) rows as one batch; return their final outputs in order and,
+    per row, the most tokens one step gave it (more than one: drafts were accepted)."""
+    ids = [llm.engine.add_request(p, sp) for p, sp in batch]
+    per_req, _ = run_steps(llm.engine)
+    return ([per_req[i][-1] for i in ids],
+            [max(len(o.new_token_ids) for o in per_req[i]) for i in ids])
+
+
+@pytest.fixture(scope="module")
+def runs(engines):
+    """The batch run once on each engine (what the tests below compare), and the spec
+    engine's counters over it."""
     plain, spec = engines
-    ps = prompts(plain)
-    params = [greedy(48, ignore_eos=True), greedy(48, stop=["fox runs"]),
-              greedy(7), greedy(24, logprobs=2)]
-    for p in params:
-        ref = plain.generate(ps, p)
-        before = spec.engine.stats()
-        got = spec.generate(ps, p)
-        for r, g in zip(ref, got, strict=True):
-            assert g.token_ids == r.token_ids, p
-            assert g.text == r.text and g.finish_reason == r.finish_reason
-            assert g.stop_reason == r.stop_reason
-            if p.logprobs is not None:
-                # Same tokens and top ids; the values agree to fp32 rounding (a draft
-                # position's logits come from a multi-token pass).
-                for lg, lr in zip(g.logprobs, r.logprobs, strict=True):
-                    assert list(lg) == list(lr)
-                    assert all(abs(lg[t] - lr[t]) < 1e-3 for t in lg)
-        after = spec.engine.stats()
-        drafted = after.num_spec_draft_tokens - before.num_spec_draft_tokens
-        accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
-        assert 0 <= accepted <= drafted
-        if p.max_tokens == 48:
-            assert accepted > 0, "the repeating prompts must have accepted some drafts"
-    assert spec.engine.stats().spec_mean_accepted_length > 1.5
-    assert_idle(spec)
+    batch = rows(plain)
+    ref, _ = run_rows(plain, batch)
+    got, most = run_rows(spec, batch)
+    return SimpleNamespace(batch=batch, ref=ref, got=got, most=most, stats=spec.engine.stats())
 
 
 @pytest.mark.slow
-def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, make_llm):
-    """Drafts after a cached prefix; and a budget so short (6 tokens for 2 requests)
-    that drafts are cut to fit."""
-    plain, spec = engines
-    ps = prompts(plain)[:2]
-    ref = plain.generate(ps, greedy(48, ignore_eos=True))
-    assert [o.token_ids for o in spec.generate(ps, greedy(48, ignore_eos=True))] == \
-        [o.token_ids for o in ref]
-    again = spec.generate(ps, greedy(48, ignore_eos=True))
+def test_greedy_with_drafts_equals_greedy_without(runs):
+    for (_, p), r, g in zip(runs.batch, runs.ref, runs.got, strict=True):
+        assert g.token_ids == r.token_ids, p
+        assert g.text == r.text and g.finish_reason == r.finish_reason
+        assert g.stop_reason == r.stop_reason
+        if p.logprobs is not None:
+            # Same tokens and top ids; the values agree to fp32 rounding (a draft
+            # position's logits come from a multi-token pass).
+            for lg, lr in zip(g.logprobs, r.logprobs, strict=True):
+                assert list(lg) == list(lr)
+                assert all(abs(lg[t] - lr[t]) < 1e-3 for t in lg)
+    # Each end condition was met (so each was met with drafts in flight).
+    reasons = {(r.finish_reason, r.stop_reason) for r in runs.ref}
+    assert {("length", None), ("stop", "fox runs"), ("stop", None)} <= reasons, reasons
+    assert len(runs.ref[4].token_ids) == 7
+    for i in DRAFTING:
+        assert runs.most[i] > 1, f"row {i} of the repeating prompts accepted no draft"
+    s = runs.stats
+    assert 0 < s.num_spec_accepted_tokens <= s.num_spec_draft_tokens
+    assert s.spec_mean_accepted_length > 1.5
+
+
+@pytest.mark.slow
+def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, runs, make_llm):
+    """Drafts after a cached prefix (the batch above left the prompts in the cache); and
+    a budget so short (6 tokens for 2 requests) that drafts are cut to fit."""
+    _, spec = engines
+    ps, params = [p for p, _ in runs.batch[:2]], runs.batch[0][1]
+    ref = [o.token_ids for o in runs.ref[:2]]
+    before = spec.engine.stats().num_spec_accepted_tokens
+    again = spec.generate(ps, params)
     assert all(o.num_cached_tokens > 0 for o in again)
-    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in again] == ref
+    assert spec.engine.stats().num_spec_accepted_tokens > before
     tight = make_llm(dtype="float32", max_num_batched_tokens=6, max_num_seqs=4,
                      speculative=SPEC)
-    assert [o.token_ids for o in tight.generate(ps, greedy(48, ignore_eos=True))] == \
-        [o.token_ids for o in ref]
+    # Greedy: the first 24 tokens are the reference's first 24.
+    assert [o.token_ids for o in tight.generate(ps, greedy(24, ignore_eos=True))] == \
+        [r[:24] for r in ref]
     assert tight.engine.stats().num_spec_accepted_tokens > 0
     assert_idle(tight)
 
 
 @pytest.mark.slow
-def test_the_same_under_preemption(engines, make_llm):
-    """A pool of 13 usable blocks for 4 requests of up to 7 blocks: they preempt each
-    other, and a preempted request drops its drafts and recomputes."""
-    plain, _ = engines
-    ps = [p[:40] for p in prompts(plain)[:4]]
-    ref = plain.generate(ps, greedy(56, ignore_eos=True))
-    small = make_llm(dtype="float32", kv_cache_gib=0.01, max_model_len=112,
+def test_the_same_under_preemption(runs, make_llm):
+    """A pool of 13 usable blocks for 2 requests of 8 blocks each (prompts of 66 and 69
+    tokens, 48 more each): they preempt each other, and a preempted request drops its
+    drafts and recomputes."""
+    ps, params = [p for p, _ in runs.batch[:2]], runs.batch[0][1]
+    small = make_llm(dtype="float32", kv_cache_gib=0.01, max_model_len=128,
                      max_num_batched_tokens=64, speculative=SPEC)
-    got = small.generate(ps, greedy(56, ignore_eos=True))
+    got = small.generate(ps, params)
     assert small.engine.stats().num_preemptions > 0
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert small.engine.stats().num_spec_accepted_tokens > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in runs.ref[:2]]
     assert_idle(small)
 
 
@@ -135,24 +170,24 @@ def test_no_drafts_above_the_batch_size_threshold(make_llm):
     llm = make_llm(dtype="float32", speculative=SpecConfig(method="ngram",
                                                             disable_batch_size=2))
     ps = prompts(llm)[:2]
-    llm.generate(ps, greedy(24, ignore_eos=True))
+    llm.generate(ps, greedy(12, ignore_eos=True))
     drafts = llm.engine.stats().num_spec_drafts
     assert drafts > 0  # two decodes: at the threshold, they draft
-    llm.generate(prompts(llm)[:3], greedy(24, ignore_eos=True))
+    llm.generate(prompts(llm)[:3], greedy(12, ignore_eos=True))
     # Three at once draft only once one has finished... they all end together: never.
     assert llm.engine.stats().num_spec_drafts == drafts
     assert_idle(llm)
 
 
 @pytest.mark.slow
-def test_seeded_sampling_is_the_same_with_and_without_drafts(engines):
+def test_seeded_sampling_is_the_same_with_and_without_drafts(runs):
     """A seeded random request never drafts: its generator's stream stays the one a
     migration replays."""
-    plain, spec = engines
-    ps = prompts(plain)[:2]
-    p = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
-    assert [o.token_ids for o in spec.generate(ps, p)] == \
-        [o.token_ids for o in plain.generate(ps, p)]
+    seeded = [i for i, (_, p) in enumerate(runs.batch) if p is SEEDED]
+    assert len(seeded) == 2
+    for i in seeded:
+        assert runs.got[i].token_ids == runs.ref[i].token_ids
+        assert runs.most[i] == 1, "a seeded request took a draft"
 
 
 # ---- the rejection sampler ----------------------------------------------------------

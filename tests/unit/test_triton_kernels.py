@@ -145,14 +145,15 @@ def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
 @pytest.fixture(scope="module")
 def head_shaped_model(tmp_path_factory, model_path):
     """A 2-layer random Llama with SmolLM2's head shapes (64-dim heads, 3 query heads per
-    KV head) as an HF directory: the interpreter runs it in seconds, not minutes."""
+    KV head) as an HF directory: the interpreter runs it in seconds, not minutes. Its
+    vocabulary is the tokenizer's first 1024 tokens (the attention is what is tested)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from baton.services.common.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     tok = load_tokenizer(model_path)
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=384, intermediate_size=512,
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=384, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
                       head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
                       initializer_range=0.2, eos_token_id=2, bos_token_id=1)
@@ -172,20 +173,21 @@ def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, head_s
     from baton.services.engine.cuda_graphs import CudaGraphRunner
 
     path, hf = head_shaped_model
+    n_new = 5  # enough for decodes beside a prefill, and all three in a padded batch
     common = dict(model=str(path), dtype="float32", max_num_batched_tokens=24,
                   max_num_seqs=4, device=DEVICE, kv_cache_gib=0.02)
     base = make_llm(**common)
     tri = make_llm(attention_backend="triton", **common)
     assert tri.engine.runner.backend is triton_attn
-    shared = [(j * 7919) % 40000 + 100 for j in range(40)]
+    shared = [(j * 7919) % 900 + 100 for j in range(40)]
     prompts = [shared + [101 + i] * (3 + 5 * i) for i in range(3)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     want = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                              min_new_tokens=8, do_sample=False, pad_token_id=0)
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                              min_new_tokens=n_new, do_sample=False, pad_token_id=0)
         want.append(ref[0, len(prompt):].tolist())
     assert [o.token_ids for o in base.generate(prompts, params)] == want
     outs = tri.generate(prompts, params)
