@@ -26,9 +26,10 @@ once a stream has yielded, its errors propagate.
 from baton_client.aio import AsyncClient
 from baton_client.errors import BatonError
 from baton_client.request import generate_request, tokenize_request
-from baton_client.results import Chunk, Completion, ModelInfo, Timings, Usage
+from baton_client.results import Chunk, Completion, ModelInfo, Timings, ToolCall, Usage
 from baton_client.retry import RetryPolicy
 from baton_client.sync import Client
 
 __all__ = ["AsyncClient", "BatonError", "Chunk", "Client", "Completion", "ModelInfo",
-           "RetryPolicy", "Timings", "Usage", "generate_request", "tokenize_request"]
+           "RetryPolicy", "Timings", "ToolCall", "Usage", "generate_request",
+           "tokenize_request"]

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 
 from baton.v1 import generation_pb2 as gen
+from baton_client.chat import chat_of, tool_choice_of
 
 SAMPLING_FIELDS = frozenset(f.name for f in gen.SamplingParams.DESCRIPTOR.fields)
 
@@ -32,19 +33,33 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     include_stop_str_in_output: bool = False,
     structured_output: gen.StructuredOutput | Mapping[str, object] | None = None,
+    min_tokens: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    bad_words: str | Iterable[str] | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
+    tools: Iterable[Mapping] | None = None,
+    tool_choice: str | Mapping | None = None,
+    parallel_tool_calls: bool | None = None,
+    chat_template_kwargs: Mapping | None = None,
 ) -> gen.GenerateRequest:
     """A GenerateRequest. Exactly one of `prompt` (text), `token_ids` or `messages` (chat);
     an unset sampling field takes the server's default (max_tokens 16, temperature 1.0:
     pass temperature=0 for greedy). `structured_output` constrains the output: a
     StructuredOutput message or a dict with one key: {"json_schema": schema} (a dict or
     its JSON text), {"json_object": True}, {"regex": "..."}, {"grammar": "<GBNF>"} or
-    {"choice": ["yes", "no"]}. A finish_reason of 'constraint' means it allowed no more."""
+    {"choice": ["yes", "no"]}. A finish_reason of 'constraint' means it allowed no more.
+    `min_tokens`: no EOS, stop id or stop string before that many tokens; `logit_bias`:
+    {token id: bias in [-100, 100]}; `bad_words`: words the output never contains.
+    With `messages`: `tools` (OpenAI's function tools), `tool_choice` ("none", "auto",
+    "required" or {"type": "function", "function": {"name": ...}}), `parallel_tool_calls`
+    and `chat_template_kwargs` (e.g. {"enable_thinking": False}); the chunks then carry
+    `content`, `reasoning_content` and `tool_calls` as the router parsed them."""
     sampling = {k: v for k, v in locals().items() if k in SAMPLING_FIELDS and v is not None}
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
+    for name in ("stop", "bad_words"):
+        if isinstance(sampling.get(name), str):
+            sampling[name] = [sampling[name]]
     if structured_output is not None:
         sampling["structured_output"] = structured_of(structured_output)
     request = gen.GenerateRequest(sampling=gen.SamplingParams(**sampling),
@@ -56,7 +71,11 @@ def generate_request(
     elif which == "token_ids":
         request.token_ids.ids.extend(token_ids)
     else:
-        request.chat.CopyFrom(chat_of(messages))
+        request.chat.CopyFrom(chat_of(messages, tools, chat_template_kwargs))
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(tool_choice_of(tool_choice))
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     return request
 
 
@@ -94,14 +113,6 @@ def tokenize_request(text: str | None = None, *,
     if text is not None:
         return gen.TokenizeRequest(text=text)
     return gen.TokenizeRequest(chat=chat_of(messages))
-
-
-def chat_of(messages: Iterable[Message]) -> gen.ChatMessages:
-    out = gen.ChatMessages()
-    for m in messages:
-        role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
-        out.messages.add(role=role, content=content)
-    return out
 
 
 def _one_prompt(prompt, token_ids, messages) -> str:

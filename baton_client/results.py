@@ -36,14 +36,29 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A tool call (whole), or a piece of one as it streams: `index` is its place among
+    the output's calls; `id` and `name` come on its first piece only; `arguments` is the
+    next fragment of its JSON text (whole, on a Completion's)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response: the new tokens and text since the last one.
 
-    `finish_reason` is 'stop', 'length', 'abort' or 'constraint' (the structured output
-    allows no further token) on the last chunk, else None;
+    `finish_reason` is 'stop', 'length', 'abort', 'constraint' (the structured output
+    allows no further token) or 'tool_calls' on the last chunk, else None;
     `stop_reason` the stop string or stop token id that ended it, if one did.
     `logprobs`, when asked for: one {token_id: logprob} per new token, the sampled token
     first, then the top N. `usage` comes on the last chunk, `timings` on the first and last.
+    A chat whose output the router parses (tools, a reasoning parser) has `content` (the
+    answer's new text; None otherwise: it is `text`), `reasoning_content` and `tool_calls`
+    (pieces).
     """
 
     request_id: str
@@ -54,6 +69,9 @@ class Chunk:
     logprobs: tuple[dict[int, float], ...] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    content: str | None = None
+    reasoning_content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,13 +86,25 @@ class Completion:
     logprobs: tuple[dict[int, float], ...] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    content: str | None = None  # as Chunk's, joined; `tool_calls` whole
+    reasoning_content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @staticmethod
     def of(chunks: Iterable[Chunk]) -> Completion:
         chunks = list(chunks)
         last = chunks[-1] if chunks else None
         logprobs = [c.logprobs for c in chunks if c.logprobs is not None]
+        calls: dict[int, list] = {}
+        for piece in (t for c in chunks for t in c.tool_calls):
+            calls.setdefault(piece.index, [piece.index, piece.id, piece.name, []])[3].append(
+                piece.arguments)
+        parsed = any(c.content is not None for c in chunks)
         return Completion(
+            content="".join(c.content or "" for c in chunks) if parsed else None,
+            reasoning_content="".join(c.reasoning_content for c in chunks),
+            tool_calls=tuple(ToolCall(i, id_, name, "".join(args))
+                             for i, id_, name, args in calls.values()),
             request_id=last.request_id if last else "",
             text="".join(c.text for c in chunks),
             token_ids=tuple(t for c in chunks for t in c.token_ids),
@@ -113,7 +143,11 @@ def chunk_of(msg: gen.GenerateResponse) -> Chunk:
                     msg.usage.cached_tokens) if msg.HasField("usage") else None,
         timings=Timings(msg.timings.queue_s, msg.timings.prefill_s, msg.timings.kv_transfer_s,
                         msg.timings.first_token_s, msg.timings.expected_cached_blocks,
-                        msg.timings.local_prefill) if msg.HasField("timings") else None)
+                        msg.timings.local_prefill) if msg.HasField("timings") else None,
+        content=msg.chat.content if msg.HasField("chat") else None,
+        reasoning_content=msg.chat.reasoning_content,
+        tool_calls=tuple(ToolCall(t.index, t.id, t.name, t.arguments)
+                         for t in msg.chat.tool_calls))
 
 
 def model_info_of(msg: gen.GetModelInfoResponse) -> ModelInfo:

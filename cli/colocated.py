@@ -33,7 +33,9 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
     engine = make_engine(worker.engine, worker.threads)
     aengine = AsyncEngine(engine, worker.max_waiting, worker.engine_stall_timeout)
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
-                            engine.kv_layout.block_bytes)  # served with the router's
+                            engine.kv_layout.block_bytes,  # served with the router's
+                            engine.model_info.served_model_name)
+    metrics.watch(aengine)
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
 
     async def main():

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from baton.router.config import RouterConfig
 from baton.services.common.limits import Limits
+from baton.services.common.reasoning import REASONING_PARSERS
+from baton.services.common.tool_parsers import TOOL_PARSERS
 from baton.services.engine.config import DTYPES, EngineConfig, SpecConfig
 from baton.services.rpc.config import ServiceConfig
 from baton.services.worker.config import WorkerConfig
@@ -47,6 +49,7 @@ class Flag:
     optional: bool = False  # None is a value (unset)
     hidden: bool = False
     secret: bool = False  # never in --help or in a child's argv (baton up: env instead)
+    aliases: tuple[str, ...] = ()  # other names of the flag (vLLM's), without dashes
 
     @property
     def dest(self) -> str:
@@ -98,12 +101,13 @@ FLAGS: list[Flag] = [
        "on SIGTERM: seconds the work in flight gets to finish", kind=float),
     _f("tls-cert", ROLES, "service.tls_cert",
        "TLS certificate (PEM) of this service's port, shown when it calls a worker too",
-       optional=True),
+       optional=True, aliases=("ssl-certfile",)),
     _f("tls-key", ROLES, "service.tls_key", "the certificate's private key (PEM)",
-       optional=True),
+       optional=True, aliases=("ssl-keyfile",)),
     _f("tls-ca", ROLES, "service.tls_ca",
        "CA certificate (PEM): workers want callers signed by it (mutual TLS), and every "
-       "service checks the workers it calls against it", optional=True),
+       "service checks the workers it calls against it (the public API never asks its "
+       "callers for one)", optional=True, aliases=("ssl-ca-certs",)),
     _f("tls-server-name", ("router", "decode"), "service.tls_server_name",
        "the name the workers' certificates carry, checked instead of the address dialed "
        "(workers found by dns:/// are dialed by IP)", optional=True),
@@ -137,6 +141,9 @@ FLAGS: list[Flag] = [
     _f("tokenizer-revision", ROLES,
        (("engine", "tokenizer_revision"), ("router", "tokenizer_revision")),
        "of a --tokenizer hub id (default: main)", optional=True),
+    _f("chat-template", ROLES, (("engine", "chat_template"), ("router", "chat_template")),
+       "a jinja chat template (a file, or the template itself) instead of the "
+       "tokenizer's; the router renders chats with it", optional=True),
     _f("generation-config", WORKERS, "engine.generation_config",
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
        "sampling values; none: ignore it; or a folder holding one"),
@@ -235,6 +242,16 @@ FLAGS: list[Flag] = [
     _f("local-prefill-hit", ("router",), "router.local_prefill_hit",
        "... or when it holds at least this share of the prompt's blocks (0: never)",
        kind=float),
+    _f("tool-call-parser", ROUTERS, "router.tool_call_parser",
+       "how tool calls are found in a chat's text for tool_choice \"auto\" (the "
+       "model's format)", choices=tuple(TOOL_PARSERS), optional=True),
+    _f("enable-auto-tool-choice", ROUTERS, "router.enable_auto_tool_choice",
+       "serve tool_choice \"auto\" (the default with tools) with --tool-call-parser; "
+       "without it such a request is refused", kind=bool),
+    _f("reasoning-parser", ROUTERS, "router.reasoning_parser",
+       "split a chat's reasoning (reasoning_content) from its answer; structured output "
+       "and tool calls apply to the answer", choices=tuple(REASONING_PARSERS),
+       optional=True),
     _f("max-inflight", ROUTERS, "router.max_inflight",
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",
@@ -265,7 +282,8 @@ FLAGS: list[Flag] = [
        "a worker silent this long is down (dead or frozen); its requests move on",
        kind=float),
     _f("http-port", ROUTERS, "router.http_port",
-       "the OpenAI-compatible HTTP API (and /metrics) on this port; 0: none", kind=int),
+       "the OpenAI-compatible HTTP API (and /metrics) on this port; 0: none", kind=int,
+       aliases=("port",)),
     _f("served-model-name", ROLES,
        (("router", "served_model_name"), ("engine", "served_model_name")),
        "the model's name in GetModelInfo and the OpenAI API (default: the model's hub id, "
@@ -312,7 +330,7 @@ def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[F
             kw["type"] = _checked(flag)
             if flag.choices:
                 kw["choices"] = flag.choices
-        parser.add_argument(f"--{flag.name}", **kw)
+        parser.add_argument(f"--{flag.name}", *(f"--{a}" for a in flag.aliases), **kw)
     return flags
 
 

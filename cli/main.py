@@ -1,6 +1,8 @@
 """The `baton` command.
 
-    baton serve --role router|prefill|decode|colocated   one service, in the foreground
+    baton serve [MODEL] [--role router|prefill|decode|colocated]
+                                                           one service, in the foreground
+                                                           (default: colocated, as vllm serve)
     baton up                                               router + prefill + decode locally
     baton generate "prompt"                                stream a completion to stdout
     baton health ADDRESS                                   exit 0 if it answers SERVING
@@ -18,31 +20,42 @@ import sys
 import uuid
 
 from baton.cli import generate, up
+from baton.cli.exposure import address as join_address
 from baton.cli.exposure import warn_if_open
 from baton.cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
+DEFAULT_ROLE = "colocated"  # `baton serve MODEL`, as `vllm serve MODEL`
+
 
 def _role_in(argv: list[str]) -> str | None:
-    """The --role of a serve command line (or BATON_ROLE), to show that role's flags."""
+    """The --role of a serve command line (or BATON_ROLE, else colocated), to show that
+    role's flags; None for a role that is not one (argparse then says so)."""
     for i, arg in enumerate(argv):
         if arg == "--role" and i + 1 < len(argv):
             return argv[i + 1] if argv[i + 1] in ROLES else None
         if arg.startswith("--role="):
             value = arg.split("=", 1)[1]
             return value if value in ROLES else None
-    role = os.environ.get("BATON_ROLE")
+    role = os.environ.get("BATON_ROLE") or DEFAULT_ROLE
     return role if role in ROLES else None
 
 
 def _serve_parser(sub, role: str | None) -> list[Flag]:
-    p = sub.add_parser("serve", help="run one service",
-                       description="Run one Baton service in the foreground. "
-                       "With --role, --help lists that role's flags only.")
-    p.add_argument("--role", choices=ROLES, default=os.environ.get("BATON_ROLE"),
-                   required=not os.environ.get("BATON_ROLE"), help="[BATON_ROLE]")
+    p = sub.add_parser("serve", help="run one service (default: colocated)",
+                       description="Run one Baton service in the foreground: `baton serve "
+                       "MODEL` serves MODEL from one process, as `vllm serve MODEL` does. "
+                       "--help lists the flags of the role given (default: colocated).")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model to serve: the same as --model")
+    p.add_argument("--role", choices=ROLES,
+                   default=os.environ.get("BATON_ROLE") or DEFAULT_ROLE,
+                   help=f"[BATON_ROLE; default: {DEFAULT_ROLE}]")
     p.add_argument("--address", default=os.environ.get("BATON_ADDRESS"),
-                   help="host:port to listen on [BATON_ADDRESS; default: 0.0.0.0 and the "
+                   help="host:port of the gRPC API [BATON_ADDRESS; default: 0.0.0.0 and the "
                    f"role's port: {DEFAULT_PORTS}]")
+    p.add_argument("--host", default=os.environ.get("BATON_HOST"),
+                   help="the host every port of the service listens on (gRPC, the HTTP API, "
+                   "/metrics): replaces the host of --address [BATON_HOST]")
     p.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"),
                    help="[BATON_LOG_LEVEL; default: INFO]")
     return add_flags(p, (role,) if role else ROLES)
@@ -52,7 +65,7 @@ def _serve(args, flags: list[Flag]) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = args.role
-    address = args.address or f"0.0.0.0:{DEFAULT_PORTS[role]}"
+    address = serve_address(args)
     given = values(args, flags, role)
     try:
         from baton.router.config import RouterConfig
@@ -99,6 +112,18 @@ def _serve(args, flags: list[Flag]) -> None:
         serve(config, router)
 
 
+def serve_address(args: argparse.Namespace) -> str:
+    """Where a served role's gRPC API listens: --address (or the role's default port on
+    every interface), on --host when it is given."""
+    address = args.address or f"0.0.0.0:{DEFAULT_PORTS[args.role]}"
+    if not args.host:
+        return address
+    port = address.rsplit(":", 1)[1] if ":" in address else ""
+    if not port.isdigit():
+        fail(f"--address {address!r}: host:port, with a port number")
+    return join_address(args.host, int(port))
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     """The command line (and, for serve and up, the BATON_* variables): the arguments,
     and the flags of the command that runs."""
@@ -117,7 +142,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     health.add_argument("address")
     for name in ("ca", "cert", "key"):  # a worker with mutual TLS wants a certificate
         health.add_argument(f"--tls-{name}", default=os.environ.get(f"BATON_TLS_{name.upper()}"))
-    return parser.parse_args(argv), flags or up_flags
+    args = parser.parse_args(argv)
+    if command == "serve" and args.model_tag:  # `baton serve MODEL`: MODEL is --model
+        if args.model not in (None, args.model_tag):
+            fail(f"two models: {args.model_tag!r}, and {args.model!r} from --model or "
+                 "BATON_MODEL; give one")
+        args.model = args.model_tag
+    return args, flags or up_flags
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.router.chat import ChatSettings
 from baton.router.discovery import Target
 from baton.router.policy import Policy
 from baton.services.common.limits import Limits
@@ -28,6 +29,10 @@ class RouterConfig:
     tokenizer: str | None = None  # a tokenizer folder or hub id instead of the model's
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
+    chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    tool_call_parser: str | None = None  # finds tool calls in text (tool_choice "auto")
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" served (needs the parser)
+    reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
     request_timeout: float = 600.0  # the deadline of a request whose client set none
@@ -60,6 +65,11 @@ class RouterConfig:
                              f"{self.local_prefill_hit!r}")
         for role in ("prefill", "decode"):
             self.targets(role)  # a bad address fails at start-up, naming it
+        self.chat_settings()  # an unknown parser fails at start-up, naming it
+
+    def chat_settings(self) -> ChatSettings:
+        return ChatSettings(self.tool_call_parser, self.enable_auto_tool_choice,
+                            self.reasoning_parser)
 
     def targets(self, role: str) -> list[Target]:
         try:

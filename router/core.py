@@ -2,7 +2,8 @@
 the OpenAI-compatible HTTP routes), as it reads:
 
     admit                   at most max_inflight at once, else RESOURCE_EXHAUSTED
-    validate and tokenize   (intake.py: every field checked, tokenizing off the loop)
+    validate and tokenize   (intake.py: every field checked, tokenizing off the loop;
+                            chat.py: a chat's tools, tool_choice and reasoning)
     local or not            the decode worker that holds (nearly) all of the prompt's
                             prefix computes it itself: no prefill worker, no KV moved
     prefill                 the cheapest prefill worker for the prompt (its cached prefix
@@ -12,6 +13,8 @@ the OpenAI-compatible HTTP routes), as it reads:
                             pulls what it lacks of the KV and streams the rest; if it dies,
                             another one recomputes the prompt and the tokens streamed so
                             far and goes on
+    parse a chat's output   its text as reasoning, content and tool calls
+                            (chat_output.py), on every reply of either API
 
 The caller's deadline (or --request-timeout) goes on to each call; a caller that leaves
 closes the stream, which cancels the call in flight, which aborts the request on that
@@ -208,9 +211,12 @@ class Router:
             if not m.model:
                 m.model = self.model_info().served_model_name
             m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
+            output = job.output() if job.output is not None else None  # chat.py
             # aclosing: a caller that leaves closes the inner generator now.
             async with aclosing(self._generate(job, caller, ctx)) as replies:
                 async for reply in replies:
+                    if output is not None:  # reasoning, content and tool calls
+                        output.apply(reply)
                     now, n = time.monotonic(), len(reply.delta.token_ids)
                     if n and last == t0:  # the first token
                         m.labels(m.ttft).observe(now - t0)

@@ -9,41 +9,47 @@ a multi-megabyte prompt never stalls the event loop that streams every other req
 
 The sampling values are checked by the engine's own rules: `convert.sampling_params`, the
 router's one conversion of the wire's SamplingParams; the message itself goes on to the
-workers as it came.
+workers as it came, but for what a chat's tool_choice and the router's reasoning parser
+add to its constraint (chat.py), which also makes each choice's output parser.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from baton.router.chat import Chat, ChatSettings, check_chat, plan
+from baton.router.chat_output import ChatOutput
 from baton.services.common.limits import Limits
 from baton.services.common.tokenizer import Tokenizer
-from baton.services.rpc.convert import chat_messages, sampling_params
+from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
 
 MAX_CHARS_PER_TOKEN = 64
 DEFAULT_MAX_MODEL_LEN = 32768  # the bound before any worker has said its own
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass
 class Job:
-    """A validated request: the id the client knows, the id the workers see, the prompt."""
+    """A validated request: the id the client knows, the id the workers see, the prompt,
+    the request as the workers get it, and what parses a chat's output (None: nothing)."""
 
     client_id: str
     request_id: str
     prompt_ids: list[int]
     request: gen.GenerateRequest
+    output: Callable[[], ChatOutput] | None = None
 
 
 class Intake:
     def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None,
-                 parse_threads: int = 2):
+                 parse_threads: int = 2, chat: ChatSettings | None = None):
         self.tokenizer = tokenizer
+        self.chat = chat or ChatSettings()  # the router's tool call and reasoning parsers
         self.limits = limits or Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         # Requests are counted and parsed (gRPC bytes, HTTP bodies) on threads of their
@@ -63,7 +69,7 @@ class Intake:
             sampling_params(s)
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"sampling: {e}") from None
-        ids = await self.prompt_ids(request, info)
+        ids, chat = await self._prompt(request, info)
         if not ids:
             raise InvalidArgument("prompt: empty (send text, token_ids or chat)")
         if info is not None:
@@ -74,28 +80,42 @@ class Intake:
             if len(ids) >= info.max_model_len:
                 raise InvalidArgument(f"prompt: {len(ids)} tokens; max_model_len is "
                                       f"{info.max_model_len}")
+            bad = next((t for t in s.logit_bias if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"sampling: logit_bias token id {bad} is outside the "
+                                      f"vocabulary [0, {info.vocab_size})")
         client_id = request.request_id or uuid.uuid4().hex
         # Workers see a unique id, so two clients that pick the same id (or a retry) can
         # never touch each other's request or lease.
         rid = f"{client_id}-{uuid.uuid4().hex[:12]}" if request.request_id else client_id
-        return Job(client_id, rid, ids, request)
+        request, output = plan(request, chat, ids, self.chat,
+                               lambda text: self.tokenizer.marker_ids(text))
+        return Job(client_id, rid, ids, request, output)
 
     async def prompt_ids(self, request, info: gen.ModelInfo | None) -> list[int]:
         """The prompt of a Generate or Tokenize request as token ids."""
+        return (await self._prompt(request, info))[0]
+
+    async def _prompt(self, request, info: gen.ModelInfo | None
+                      ) -> tuple[list[int], Chat | None]:
+        """The prompt's token ids, and its chat as the template took it (None: not a
+        chat)."""
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             self.limits.check("max_prompt_token_ids", len(request.token_ids.ids), "token_ids")
-            return list(request.token_ids.ids)
+            return list(request.token_ids.ids), None
         limit = MAX_CHARS_PER_TOKEN * (info.max_model_len if info else DEFAULT_MAX_MODEL_LEN)
         if kind == "text":
             self.limits.check("max_prompt_chars", len(request.text), "text")
             if len(request.text) > limit:
                 raise InvalidArgument(f"text: {len(request.text)} characters cannot fit in "
                                       f"{limit // MAX_CHARS_PER_TOKEN} tokens")
-            return await self.run(self.tokenizer.encode, request.text)
+            return await self.run(self.tokenizer.encode, request.text), None
         if kind == "chat":
-            messages = check_chat(request.chat, limit, self.limits)
-            return await self.run(self.tokenizer.apply_chat_template, messages)
+            chat = check_chat(request.chat, limit, self.limits, MAX_CHARS_PER_TOKEN)
+            ids = await self.run(self.tokenizer.apply_chat_template, chat.messages,
+                                 chat.tools, chat.template_kwargs)
+            return ids, chat
         raise InvalidArgument("prompt: the request has none (send text, token_ids or chat)")
 
     async def run(self, fn, *args):
@@ -109,22 +129,3 @@ class Intake:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.parse_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def check_chat(chat: gen.ChatMessages, max_chars: int, limits: Limits
-               ) -> list[dict[str, str]]:
-    """The messages, or InvalidArgument naming the first bad field."""
-    if not chat.messages:
-        raise InvalidArgument("chat.messages: empty; send at least one message")
-    limits.check("max_messages", len(chat.messages), "chat.messages")
-    total = 0
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            raise InvalidArgument(f"chat.messages[{i}].role: {m.role!r} is not one of "
-                                  f"{', '.join(CHAT_ROLES)}")
-        total += len(m.content)
-    limits.check("max_prompt_chars", total, "chat.messages")
-    if total > max_chars:
-        raise InvalidArgument(f"chat.messages: {total} characters of content cannot fit in "
-                              f"{max_chars // MAX_CHARS_PER_TOKEN} tokens")
-    return chat_messages(chat)

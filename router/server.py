@@ -70,7 +70,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         discovery_grace=config.discovery_grace)
     source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
                                config.revision, config.tokenizer_revision)
-    intake = Intake(Tokenizer(source), limits=config.limits)
+    intake = Intake(Tokenizer(source, config.chat_template), limits=config.limits,
+                    chat=config.chat_settings())
     lifecycle.request_checks.update({
         method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})

@@ -4,10 +4,11 @@ Parsing builds an object per chat message, stop string, token id and choice: a m
 empty messages (2 MB) take protobuf a quarter of a second. The router's interceptor runs
 these checks, then the parse, on the intake's parse threads once the call is authorized
 (services/rpc/server.py), never on the event loop. They walk every field of each
-message that holds a repeated field (the request, its chat, its token ids, its sampling,
-its structured output and its choices), one field at a time, and stop one past the limit,
-so a giant request is refused for the price of its first few thousand fields; long
-strings are measured on their bytes, never turned into Python strings.
+message that holds a repeated field (the request, its chat and its messages, its token
+ids, its sampling, its structured output and its choices), one field at a time, and stop
+one past the limit, so a giant request is refused for the price of its first few
+thousand fields; long strings are measured on their bytes, never turned into Python
+strings.
 
 What the walk cannot skip is refused ("request: ..."), never passed on: a group (wire
 types 3 and 4: protobuf keeps an unknown one, and the walk would lose its place in the
@@ -19,8 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from baton.router.chat import MAX_TOOL_CALLS, MAX_TOOLS
 from baton.services.common import constraint_limits
-from baton.services.common.limits import Limits, check_bound
+from baton.services.common.limits import (
+    BAD_WORD_CHARS_CEILING,
+    BAD_WORDS_CEILING,
+    LOGIT_BIAS_CEILING,
+    Limits,
+    check_bound,
+)
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
 
@@ -37,11 +45,16 @@ def _number(message, name: str) -> int:
 
 
 CHAT, MESSAGES = _number(gen.GenerateRequest, "chat"), _number(gen.ChatMessages, "messages")
+TOOLS, TOOL_CALLS = _number(gen.ChatMessages, "tools"), _number(gen.ChatMessage, "tool_calls")
+# A message's own fields (role, content, ...) cost nothing of OTHER_FIELDS, up to this many.
+MESSAGE_FIELDS = len(gen.ChatMessage.DESCRIPTOR.fields)
 TOKEN_IDS, IDS = _number(gen.GenerateRequest, "token_ids"), _number(gen.TokenIds, "ids")
 SAMPLING = _number(gen.GenerateRequest, "sampling")
 STOP = _number(gen.SamplingParams, "stop")
 STOP_TOKEN_IDS = _number(gen.SamplingParams, "stop_token_ids")
 STRUCTURED = _number(gen.SamplingParams, "structured_output")
+LOGIT_BIAS = _number(gen.SamplingParams, "logit_bias")  # one map entry per field
+BAD_WORDS = _number(gen.SamplingParams, "bad_words")
 CHOICE, CHOICES = _number(gen.StructuredOutput, "choice"), _number(gen.Choices, "choices")
 CONSTRAINT_STRINGS = {_number(gen.StructuredOutput, name): name
                       for name in ("json_schema", "regex", "grammar")}
@@ -135,9 +148,22 @@ class _Walk:
             self.limits.check(limit, _chars(self.raw, start, end), where)
 
     def chat(self, start: int, end: int) -> None:
-        for number, _, _, _ in self.fields(start, end, frozenset({(MESSAGES, LEN)})):
-            if number == MESSAGES:
+        counted = frozenset({(MESSAGES, LEN), (TOOLS, LEN)})
+        for number, kind, a, b in self.fields(start, end, counted):
+            if number == MESSAGES and kind == LEN:
                 self.add("chat.messages", "max_messages", 1)
+                self.message(a, b)
+            elif number == TOOLS and kind == LEN:
+                check_bound("chat.tools", self.tally("chat.tools", 1), MAX_TOOLS, "tools",
+                            more=True)
+
+    def message(self, start: int, end: int) -> None:
+        """A chat message's tool calls (the other fields are strings, bounded later)."""
+        self.other_left += MESSAGE_FIELDS
+        for number, kind, _, _ in self.fields(start, end, frozenset({(TOOL_CALLS, LEN)})):
+            if number == TOOL_CALLS and kind == LEN:
+                check_bound("chat.messages", self.tally("tool calls", 1), MAX_TOOL_CALLS,
+                            "tool calls", more=True)
 
     def token_ids(self, start: int, end: int) -> None:
         for number, kind, a, b in self.fields(start, end, frozenset({(IDS, VARINT)})):
@@ -146,11 +172,23 @@ class _Walk:
                          _varints(self.raw, a, b) if kind == LEN else 1)
 
     def sampling(self, start: int, end: int) -> None:
-        counted = frozenset({(STOP, LEN), (STOP_TOKEN_IDS, VARINT)})
+        counted = frozenset({(STOP, LEN), (STOP_TOKEN_IDS, VARINT), (LOGIT_BIAS, LEN),
+                             (BAD_WORDS, LEN)})
         for number, kind, a, b in self.fields(start, end, counted):
             if number == STOP and kind == LEN:
                 self.add("sampling.stop", "max_stop", 1)
                 self.string(a, b, "max_stop_chars", "sampling.stop")
+            elif number == LOGIT_BIAS and kind == LEN:
+                where = "sampling.logit_bias"
+                check_bound(where, self.tally(where, 1), LOGIT_BIAS_CEILING, "entries",
+                            more=True)
+            elif number == BAD_WORDS and kind == LEN:
+                where = "sampling.bad_words"
+                check_bound(where, self.tally(where, 1), BAD_WORDS_CEILING, "words",
+                            more=True)
+                if b - a > BAD_WORD_CHARS_CEILING:  # no more characters than bytes
+                    check_bound(where, _chars(self.raw, a, b), BAD_WORD_CHARS_CEILING,
+                                "characters a word")
             elif number == STOP_TOKEN_IDS:
                 self.add("sampling.stop_token_ids", "max_stop_token_ids",
                          _varints(self.raw, a, b) if kind == LEN else 1)
@@ -181,8 +219,9 @@ class _Walk:
 
 def check_generate(limits: Limits) -> Callable[[bytes], None]:
     """The raw check of Generate: chat messages, token ids, stop strings and their
-    lengths, stop ids, the lengths of text, cache_salt and request_id, and the
-    structured-output constraint's choices and size."""
+    lengths, stop ids, logit_bias entries, bad_words and their lengths, the lengths of
+    text, cache_salt and request_id, and the structured-output constraint's choices and
+    size."""
     def check(raw: bytes) -> None:
         walk = _Walk(raw, limits)
         for number, kind, a, b in walk.fields(0, len(raw)):

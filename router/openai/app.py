@@ -5,6 +5,7 @@
     GET  /v1/models                              the served model
     GET  /health                                 200 when the router can serve, else 503
     GET  /metrics                                Prometheus
+    POST /tokenize, /detokenize; GET /version    vLLM's (extra_routes.py)
 
 Errors come in OpenAI's JSON shape with the right HTTP status: 400 naming the field, 401
 without a valid key, 404 for another model, 429 with Retry-After, 503, 504. A client
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.router.core import Caller, Router
-from baton.router.openai import errors
+from baton.router.openai import errors, extra_routes
 from baton.router.openai.body import parse_body
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, error_body, event, param_of
@@ -61,7 +62,7 @@ class Guard:
         self.app, self.security, self.lifecycle = app, security, lifecycle
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not extra_routes.guarded(scope["path"]):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
@@ -113,6 +114,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, security=security, lifecycle=lifecycle)
     errors.install(app)  # OpenAI's error shape for the rest, and the catch-all outside
+    extra_routes.install(app, router, ApiError, api_error)  # X-Request-Id around it all
 
     def names() -> set[str]:
         info = router.model_info()
@@ -171,6 +173,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
             requests = await intake.parse(body.requests, info.max_model_len)
+            # echo: the prompts' text (token ids decoded on the tokenizer's threads)
+            echo = [] if chat else await intake.run(body.echo_texts, intake.tokenizer.decode)
             admission = router.admit(len(requests))  # all choices or none
         except ApiError:
             raise
@@ -178,6 +182,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             raise api_error(e, chat) from None
         want_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         renderer = Renderer(chat, body.model, router.intake.tokenizer.token_text)
+        renderer.echo = echo
+        extra_routes.tag(request, requests, renderer)  # X-Request-Id names them
         caller = Caller(trace_context=tracing.extract(request.headers),
                         attributes={"baton.user": body.user} if body.user else {},
                         key_id=request.scope.get(KEY_ID, ""))

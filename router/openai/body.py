@@ -7,8 +7,8 @@ interpreter for long, so the event loop (health, every other stream) keeps answe
                         million prompts or chat messages cost it the first few thousand)
           ──> counts    prompts, choices, messages, characters, token ids, stop strings,
                         cache_salt, user, a constraint's choices (guided_choice,
-                        structured_outputs.choice) and JSON values: each over its limit
-                        is a 400 naming the field
+                        structured_outputs.choice), logit_bias, bad_words and JSON
+                        values: each over its limit is a 400 naming the field
           ──> model     pydantic, on a body now known to be small enough
 """
 
@@ -23,17 +23,26 @@ from pydantic import BaseModel, ValidationError
 
 from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
-from baton.services.common.limits import Limits, OverLimit, check_bound
+from baton.services.common.limits import (
+    BAD_WORD_CHARS_CEILING,
+    BAD_WORDS_CEILING,
+    LOGIT_BIAS_CEILING,
+    Limits,
+    OverLimit,
+    check_bound,
+)
 from baton.services.rpc.errors import InvalidArgument
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
 CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
+BAD_WORDS = "bad_words"  # the engine's fixed bound on bad_words (BAD_WORDS_CEILING)
 # The arrays a body may hold that have a limit, by the keys down to them, and what each
-# counts against: a Limits field, or CHOICES.
+# counts against: a Limits field, CHOICES or BAD_WORDS.
 ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
                 ("stop_token_ids",): "max_stop_token_ids", ("prompt",): "max_prompts",
-                ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES}
+                ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES,
+                ("bad_words",): BAD_WORDS}
 # The members that hold a structured-output constraint: a constraint's text is bounded
 # (MAX_CONSTRAINT_CHARS), and every JSON value in it takes at least one character of it.
 CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
@@ -91,9 +100,11 @@ def _count(raw: bytes, chars: tuple[bytes, ...], bound: int) -> int:
 
 
 def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
-    """`limits.check`, or the engine's fixed bound on choices."""
+    """`limits.check`, or the engine's fixed bound on choices or bad_words."""
     if limit == CHOICES:
         check_bound(where, got, constraint_limits.MAX_CHOICES, "choices", more)
+    elif limit == BAD_WORDS:
+        check_bound(where, got, BAD_WORDS_CEILING, "words", more)
     else:
         limits.check(limit, got, where, more)
 
@@ -210,6 +221,13 @@ def check_counts(data: dict, limits: Limits) -> None:
         check("max_stop", len(stop), "stop")
         check("max_stop_chars", max((len(s) for s in stop if isinstance(s, str)), default=0),
               "stop")
+    if isinstance(data.get("logit_bias"), dict):
+        check_bound("logit_bias", len(data["logit_bias"]), LOGIT_BIAS_CEILING, "entries")
+    words = data.get("bad_words")
+    if isinstance(words, list):
+        _check(limits, BAD_WORDS, len(words), "bad_words")
+        check_bound("bad_words", max((len(w) for w in words if isinstance(w, str)),
+                                     default=0), BAD_WORD_CHARS_CEILING, "characters a word")
     for name, limit in (("stop_token_ids", "max_stop_token_ids"),
                         ("cache_salt", "max_cache_salt_chars"), ("user", "max_user_chars")):
         if isinstance(data.get(name), (list, str)):

@@ -11,6 +11,15 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.router.openai.chat_fields import (
+    Tool,
+    ToolCall,
+    refuse_unknown,
+    template_kwargs_of,
+    tool_calls_of,
+    tool_choice_of,
+    tools_of,
+)
 from baton.router.openai.structured import structured_output
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.rpc.convert import sampling_message
@@ -29,15 +38,43 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # refused by name when set (chat_fields.py)
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+    reasoning_content: str | None = None  # an assistant's, for templates that show it
+
+
+def chat_of(messages: list[ChatMessage], tools: list[Tool] | None,
+            chat_template_kwargs: dict | None) -> gen.ChatMessages:
+    """OpenAI's messages, tools and chat_template_kwargs as the wire's chat: the one
+    conversion of a chat completion's and a /tokenize body's (extra_routes.py), so both
+    render the same prompt."""
+    out = []
+    for i, m in enumerate(messages):
+        refuse_unknown(m.model_extra, f"messages[{i}].")
+        content = m.content if isinstance(m.content, str) else ""
+        if isinstance(m.content, list):
+            if any(part.type != "text" for part in m.content):
+                raise InvalidArgument(f"messages[{i}].content: only text parts are "
+                                      "supported")
+            content = "".join(part.text or "" for part in m.content)
+        out.append(gen.ChatMessage(
+            role=m.role, content=content, tool_calls=tool_calls_of(m.tool_calls),
+            tool_call_id=m.tool_call_id or "", name=m.name or "",
+            reasoning_content=m.reasoning_content or ""))
+    return gen.ChatMessages(messages=out, tools=tools_of(tools),
+                            chat_template_kwargs=template_kwargs_of(chat_template_kwargs))
 
 
 class Common(BaseModel):
     """The fields both endpoints take."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
+    # Unknown fields are refused by name (refuse_unsupported), but for vLLM's extensions
+    # that structured.py reads and a few harmless ones (chat_fields.ALLOWED).
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -61,13 +98,11 @@ class Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise InvalidArgument("logit_bias: not supported")
-        for name in ("tools", "functions"):
-            if (self.model_extra or {}).get(name):
-                raise InvalidArgument(f"{name}: not supported yet")
+        refuse_unknown(self.model_extra)
 
     def structured(self) -> StructuredOutput | None:
         """The structured-output constraint (response_format, guided_*, ...), or None."""
@@ -83,7 +118,20 @@ class Common(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             ignore_eos=self.ignore_eos or None, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output or None,
-            structured=structured)
+            structured=structured, min_tokens=self.min_tokens,
+            logit_bias=self.token_bias(), bad_words=self.bad_words)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys (OpenAI's token id strings) as ids; the values and
+        the ids' range are checked with the other sampling values."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.strip().isascii() and key.strip().isdigit()):
+                raise InvalidArgument(f"logit_bias: key {key!r} is not a token id")
+            out[int(key)] = bias
+        return out
 
     def choices(self, prompts: list[dict], max_tokens: int | None, logprobs: int | None
                 ) -> list[gen.GenerateRequest]:
@@ -107,6 +155,10 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # "none", "auto", "required" or a function
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # more variables for the chat template
 
     def prompt_count(self) -> int:
         return 1
@@ -115,16 +167,11 @@ class ChatRequest(Common):
         self.refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidArgument("top_logprobs: needs logprobs: true")
-        messages = []
-        for i, m in enumerate(self.messages):
-            content = m.content if isinstance(m.content, str) else ""
-            if isinstance(m.content, list):
-                if any(part.type != "text" for part in m.content):
-                    raise InvalidArgument(f"messages[{i}].content: only text parts are "
-                                          "supported")
-                content = "".join(part.text or "" for part in m.content)
-            messages.append(gen.ChatMessage(role=m.role, content=content))
-        chat = {"chat": gen.ChatMessages(messages=messages)}
+        # The chat, and the request's tool fields with it (router/chat.py reads them).
+        chat = {"chat": chat_of(self.messages, self.tools, self.chat_template_kwargs),
+                **tool_choice_of(self.tool_choice)}
+        if self.parallel_tool_calls is not None:
+            chat["parallel_tool_calls"] = self.parallel_tool_calls
         # Unset: until the context is full, as OpenAI and vLLM read it.
         max_tokens = self.max_completion_tokens or self.max_tokens or max_model_len
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -144,8 +191,9 @@ class CompletionRequest(Common):
 
     def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
         self.refuse_unsupported()
-        if self.echo:
-            raise InvalidArgument("echo: not supported")
+        if self.echo and self.logprobs is not None:
+            raise InvalidArgument("echo: not supported with logprobs (the prompt's "
+                                  "logprobs are not computed)")
         if self.suffix:
             raise InvalidArgument("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -162,3 +210,14 @@ class CompletionRequest(Common):
         else:
             raise InvalidArgument("prompt: empty")
         return self.choices(prompts, self.max_tokens or 16, self.logprobs)
+
+    def echo_texts(self, decode) -> list[str]:
+        """With echo, what each request's text starts with: its prompt (token ids through
+        `decode`), in the order of `requests` (each prompt n times); else []."""
+        if not self.echo:
+            return []
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(x, int) for x in p):
+            p = [p]
+        texts = [x if isinstance(x, str) else decode(x) for x in p]
+        return [t for t in texts for _ in range(self.n)]

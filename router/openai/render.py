@@ -54,7 +54,7 @@ def param_of(message: str, chat: bool) -> str | None:
     head, _, rest = message.partition(":")
     if head == "sampling":
         return rest.split()[0] if rest.split() else None
-    if head.startswith("chat.messages"):
+    if head.startswith("chat."):  # chat.messages[2].role, chat.tools[0].name, ...
         return head[len("chat."):]
     if head in ("text", "token_ids", "prompt"):
         return "messages" if chat else "prompt"
@@ -73,10 +73,14 @@ class Choice:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    parsed: ParsedMessage | None = None  # a chat whose output the router parsed
 
     def add(self, reply: gen.GenerateResponse) -> None:
         d = reply.delta
         self.texts.append(d.text)  # not `text +=`: that copies it all again per token
+        if reply.HasField("chat"):
+            self.parsed = self.parsed or ParsedMessage()
+            self.parsed.add(reply.chat)
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.finish_reason:
@@ -90,6 +94,53 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+
+@dataclass
+class ParsedMessage:
+    """A chat choice's reasoning, content and tool calls (GenerateResponse.chat), joined:
+    the whole message is its stream's pieces put together."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    calls: dict[int, tuple[str, str, list[str]]] = field(default_factory=dict)
+
+    def add(self, chat: gen.ChatDelta) -> None:
+        self.reasoning.append(chat.reasoning_content)
+        self.content.append(chat.content)
+        for d in chat.tool_calls:
+            if d.index not in self.calls:
+                self.calls[d.index] = (d.id, d.name, [])
+            self.calls[d.index][2].append(d.arguments)
+
+    def message(self) -> dict:
+        content = "".join(self.content)
+        out = {"role": "assistant", "content": content or (None if self.calls else "")}
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        if self.calls:
+            out["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": name,
+                                                           "arguments": "".join(args)}}
+                for _, (i, name, args) in sorted(self.calls.items())]
+        return out
+
+
+def chat_delta(chat: gen.ChatDelta, first: bool) -> dict:
+    """A stream chunk's delta of a parsed chat: what is new of each part."""
+    out: dict = {"role": "assistant", "content": chat.content} if first else {}
+    if chat.content and not first:
+        out["content"] = chat.content
+    if chat.reasoning_content:
+        out["reasoning_content"] = chat.reasoning_content
+    if chat.tool_calls:
+        out["tool_calls"] = [
+            {"index": d.index, "id": d.id, "type": "function",
+             "function": {"name": d.name, "arguments": d.arguments}} if d.id else
+            {"index": d.index, "function": {"arguments": d.arguments}}
+            for d in chat.tool_calls]
+    return out
 
 
 def usage(choices: list[Choice], n: int) -> dict:
@@ -109,6 +160,7 @@ class Renderer:
         self.chat = chat
         self.model = model
         self.token_text = token_text  # token id -> its text
+        self.echo: list[str] = []  # completions' echo: each choice's prompt text, or none
         self.id = ("chatcmpl-" if chat else "cmpl-") + format(time.time_ns(), "x")
         self.created = int(time.time())
 
@@ -151,9 +203,10 @@ class Renderer:
         out = {"index": c.index, "finish_reason": finish, "stop_reason": stop_reason,
                "logprobs": self.logprobs(c.logprobs, c.token_ids, want_top)}
         if self.chat:
-            out["message"] = {"role": "assistant", "content": c.text}
+            out["message"] = (c.parsed.message() if c.parsed is not None
+                              else {"role": "assistant", "content": c.text})
         else:
-            out["text"] = c.text
+            out["text"] = (self.echo[c.index] if self.echo else "") + c.text
         return out
 
     def chunk(self, index: int, reply: gen.GenerateResponse, first: bool, want_top: int,
@@ -164,11 +217,13 @@ class Renderer:
                                                            list(d.token_ids), want_top),
                   "finish_reason": finish_of(finish_reason_of(d.finish_reason), None)[0]
                   if d.finish_reason else None}
-        if self.chat:
+        if self.chat and reply.HasField("chat"):
+            choice["delta"] = chat_delta(reply.chat, first)
+        elif self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {
                 "content": d.text}
         else:
-            choice["text"] = d.text
+            choice["text"] = (self.echo[index] if self.echo and first else "") + d.text
         body["choices"] = [choice]
         if with_usage:
             body["usage"] = None

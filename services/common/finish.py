@@ -12,3 +12,4 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens, or the model's length
     ABORT = "abort"  # cancelled, deadline, or a failure (the output's `error` says which)
     CONSTRAINT = "constraint"  # the structured-output constraint allows no further token
+    TOOL_CALLS = "tool_calls"  # the output called tools (set by the router, never an engine)

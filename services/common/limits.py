@@ -19,6 +19,9 @@ class OverLimit(ValueError):
 STOP_CEILING = 128  # stop strings per request
 STOP_CHARS_CEILING = 512  # characters per stop string
 STOP_TOKEN_IDS_CEILING = 1024
+LOGIT_BIAS_CEILING = 300  # logit_bias entries (OpenAI's own bound)
+BAD_WORDS_CEILING = 128  # bad_words per request
+BAD_WORD_CHARS_CEILING = 512  # characters per bad word
 CACHE_SALT_CEILING = 4096  # characters (the router may prefix a caller's namespace)
 REQUEST_ID_CEILING = 1024  # characters (the router adds a unique suffix)
 ROUTER_ID_CHARS = 64  # room for the ids the router makes itself (OpenAI's choices)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.services.common import constraint_limits
 from baton.services.common.limits import (
+    BAD_WORD_CHARS_CEILING,
+    BAD_WORDS_CEILING,
+    LOGIT_BIAS_CEILING,
     STOP_CEILING,
     STOP_CHARS_CEILING,
     STOP_TOKEN_IDS_CEILING,
@@ -18,6 +22,7 @@ _EPS = 1e-5
 
 # The kinds of structured output, as vLLM's StructuredOutputsParams names them.
 STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+MAX_START_AFTER = 16  # token ids of a constraint's start marker ("</think>" takes 1 to 4)
 
 
 @dataclass(frozen=True)
@@ -28,14 +33,23 @@ class StructuredOutput:
     (`spec` empty); "regex": the output full-matches `spec`; "grammar": `spec` is an EBNF
     grammar in GBNF form (root rule `root`); "choice": the output is one of `choices`.
     Whether the engine can compile it is checked there (a ValueError naming the problem).
+    `start_after`: token ids that, once the output holds them in a row (a reasoning
+    model's end of thinking), start the constraint; the output up to them is free.
     """
 
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
+        object.__setattr__(self, "start_after", tuple(self.start_after))
+        if len(self.start_after) > MAX_START_AFTER or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0
+                for t in self.start_after):
+            raise ValueError(f"structured output start_after: at most {MAX_START_AFTER} "
+                             f"token ids (ints >= 0), got {self.start_after!r}")
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
                              f"got {self.kind!r}")
@@ -56,7 +70,8 @@ class StructuredOutput:
 
     @property
     def key(self) -> tuple:
-        """What identifies the compiled grammar (its cache key)."""
+        """What identifies the compiled grammar (its cache key): `start_after` is the
+        matcher's, not the grammar's."""
         return (self.kind, self.spec, self.choices)
 
 
@@ -70,8 +85,14 @@ class SamplingParams:
     presence_penalty and frequency_penalty (0 = off) subtract from the logits of tokens
     already in the output, once and per occurrence.
     `structured` constrains the output (JSON schema, regex, grammar, choice).
+    `min_tokens`: until that many tokens are out, EOS and stop_token_ids cannot be
+    sampled and stop strings do not match (a stop may end the output from the token
+    after them on, as vLLM). `logit_bias`: (token id, bias in [-100, 100]) pairs (a dict
+    is taken too), added to the logits after the penalties. `bad_words`: words never
+    produced: each is tokenized by the engine (as written and with a leading space), and
+    a word's last token is banned where the output ends with its other tokens.
     `logprobs=N` returns the sampled token's logprob and the top N (of the raw model
-    distribution, before any penalty or temperature).
+    distribution, before any penalty, bias, ban or temperature).
     """
 
     max_tokens: int = 16
@@ -90,21 +111,40 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so the object stays hashable/frozen.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("stop", "bad_words"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(
+            bias.items() if isinstance(bias, Mapping) else bias))
         # Counted first: every later check (and the engine's stop matcher) is per item.
         check_ceiling("stop", len(self.stop), STOP_CEILING, "strings")
         check_ceiling("stop_token_ids", len(self.stop_token_ids), STOP_TOKEN_IDS_CEILING,
                       "ids")
         longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
         check_ceiling("stop strings", longest, STOP_CHARS_CEILING, "characters")
+        check_ceiling("logit_bias", len(self.logit_bias), LOGIT_BIAS_CEILING, "entries")
+        check_ceiling("bad_words", len(self.bad_words), BAD_WORDS_CEILING, "words")
+        longest = max((len(w) for w in self.bad_words if isinstance(w, str)), default=0)
+        check_ceiling("bad_words", longest, BAD_WORD_CHARS_CEILING, "characters a word")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        self._check_logit_bias()
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -138,6 +178,29 @@ class SamplingParams:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+
+    def _check_logit_bias(self) -> None:
+        """Pairs of a token id and a finite bias in [-100, 100], each id once; stored
+        sorted by id (so equal requests compare equal)."""
+        pairs = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+            token, bias = pair
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got "
+                                 f"{token!r}")
+            if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                    or not -100.0 <= bias <= 100.0):  # NaN fails this too
+                raise ValueError(f"logit_bias of token {token} must be a number in "
+                                 f"[-100, 100], got {bias!r}")
+            pairs.append((token, float(bias)))
+        pairs.sort()
+        dup = next((a for (a, _), (b, _) in zip(pairs, pairs[1:], strict=False) if a == b),
+                   None)
+        if dup is not None:
+            raise ValueError(f"logit_bias gives token {dup} more than one bias")
+        object.__setattr__(self, "logit_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:

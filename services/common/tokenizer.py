@@ -10,11 +10,14 @@ tokenizer lives.
 `Tokenizer` is the router's: transformers' own fast tokenizer, which loads no torch, so
 the router's ids and chat prompts are the engine's by construction (a test checks them
 against the engine's tokenizer anyway). `apply_chat_template` is the one place a chat
-becomes token ids: the router, the engine and the offline `LLM` all call it.
+becomes token ids: the router, the engine and the offline `LLM` all call it, with the
+chat's tools and the request's chat_template_kwargs passed to the template as
+transformers passes them; `--chat-template` (`read_chat_template`) replaces the model's.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -49,14 +52,41 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]
-                        ) -> list[int]:
-    """The messages through the model's chat template, ending with the assistant's turn.
-    ValueError if the model has none or the template refuses the messages."""
+def read_chat_template(value: str) -> str:
+    """A --chat-template value as the template's text: inline jinja (it holds "{{" or
+    "{%"), else the file it names. ValueError when it is neither."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a jinja template")
+    return path.read_text(encoding="utf-8")
+
+
+def reserved_template_names(tok: PreTrainedTokenizerBase) -> frozenset[str]:
+    """What a request's chat_template_kwargs may not set: apply_chat_template's own
+    parameters, what it passes the template itself (the messages, tools, special tokens)."""
+    params = inspect.signature(type(tok).apply_chat_template).parameters
+    return frozenset({*params, "messages", *tok.special_tokens_map} - {"self", "kwargs"})
+
+
+def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict],
+                        tools: list[dict] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
+    """The messages through the model's chat template, ending with the assistant's turn;
+    `tools` (OpenAI's function tools) and `template_kwargs` (more template variables)
+    passed on as transformers passes them. ValueError if the model has none, a kwarg is
+    one the template call reserves, or the template refuses the messages."""
     if not tok.chat_template:
         raise ValueError("chat: this model has no chat template; send text or token ids")
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & reserved_template_names(tok))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by the server, not "
+                         "by a request")
     try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tok.apply_chat_template(messages, tools=tools or None,
+                                      add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template
         raise ValueError(f"chat: the model's template refused the messages: {e}") from e
     return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -65,13 +95,17 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict[str, s
 class Tokenizer:
     """The router's tokenizer, from the saved folder (see the module doc)."""
 
-    def __init__(self, model: str | Path):
+    def __init__(self, model: str | Path, chat_template: str | None = None):
+        """`chat_template`: a --chat-template value (a file or inline jinja) to use
+        instead of the tokenizer's own."""
         folder = tokenizer_dir(model)
         if not (folder / "tokenizer.json").exists():
             raise FileNotFoundError(
                 f"no tokenizer.json in {folder}; for a .gguf model run a worker once, or "
                 "`python -m baton.services.engine.default_model`, to save it")
         self._tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        if chat_template:
+            self._tok.chat_template = read_chat_template(chat_template)
         self.has_chat_template = bool(self._tok.chat_template)
         self._texts: dict[int, str] = {}
 
@@ -82,8 +116,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True) if text else []
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (OpenAI's logprobs show them)."""
@@ -92,5 +126,10 @@ class Tokenizer:
             text = self._texts[token_id] = self._tok.decode([token_id])
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return apply_chat_template(self._tok, messages)
+    def marker_ids(self, text: str) -> list[int]:
+        """A marker's token ids as the model writes it inside its output (no BOS)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        return apply_chat_template(self._tok, messages, tools, template_kwargs)

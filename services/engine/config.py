@@ -46,6 +46,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder or hub id; None: the model's
     revision: str | None = None  # of a hub id: a branch, tag or commit
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
+    chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
     served_model_name: str | None = None  # what GetModelInfo and /v1/models call it
     generation_config: str = "auto"  # "auto": the model's defaults; "none"; or a folder
     dtype: str = "auto"  # see resolve_dtype

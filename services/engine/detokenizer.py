@@ -5,6 +5,8 @@ last step (`_prefix_offset:_read_offset`) plus the new ones, and emits the diffe
 vLLM and TGI do. Text is held back while it ends in an incomplete UTF-8 character, and
 while its tail could still be the start of a stop string. Stop strings are matched by one
 automaton over all of them (stop_matcher.py): O(new text) a step, however many there are.
+Until more than `min_tokens` tokens are out, a stop string that completes is passed over
+(the automaton scans on), so a stop can only end the text of a later token.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
+        self._num_output = 0  # output tokens given to update()
         self._skip_special_tokens = skip_special_tokens
         self._include_stop = include_stop_str_in_output
         self._stops = StopMatcher(tuple(s for s in stop if s))
@@ -55,6 +60,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the new text that is safe to emit now."""
         if self._stop_matched is not None:
             raise RuntimeError("update() after a stop string matched")
+        self._num_output += len(new_token_ids)
         self._ids.extend(new_token_ids)
         self._append(self._decode_new(final=False))
         if self._stop_matched is not None:
@@ -86,10 +92,14 @@ class IncrementalDetokenizer:
         if not delta:
             return
         found = self._stops.feed(delta)
+        start = 0  # where the scan that found it began in delta
+        while found is not None and self._num_output <= self._min_tokens:
+            start += found[0]
+            found = self._stops.feed(delta[start:])
         if found is None:
             self._text += delta
             return
-        end, self._stop_matched = found
+        end, self._stop_matched = start + found[0], found[1]
         self._text += delta[:end]
         if not self._include_stop:
             self._text = self._text[: len(self._text) - len(self._stop_matched)]

@@ -22,7 +22,11 @@ from baton.services.common.kv_events import KvEventLog
 from baton.services.common.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
 from baton.services.common.model_source import model_commit, model_name, resolve_tokenizer
 from baton.services.common.sampling_params import SamplingParams
-from baton.services.common.tokenizer import apply_chat_template, load_tokenizer
+from baton.services.common.tokenizer import (
+    apply_chat_template,
+    load_tokenizer,
+    read_chat_template,
+)
 from baton.services.engine.block_pool import BlockPool
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.detokenizer import IncrementalDetokenizer
@@ -33,6 +37,7 @@ from baton.services.engine.loader import load_checkpoint, resolve_model_path
 from baton.services.engine.model_runner import ModelRunner
 from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from baton.services.engine.request import Request, RequestStatus
+from baton.services.engine.sampler import bad_words_ids
 from baton.services.engine.scheduler import Scheduler
 from baton.services.engine.spec_decode import NgramProposer
 
@@ -49,6 +54,8 @@ class LLMEngine:
         self.model_name = model_name(config.model, path)  # the same on every host
         self.tokenizer = load_tokenizer(resolve_tokenizer(
             config.tokenizer, path, config.revision, config.tokenizer_revision))
+        if config.chat_template:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         model_config, weights = load_checkpoint(path, config.load_format, config.seed)
         config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
         self.config = config
@@ -180,8 +187,10 @@ class LLMEngine:
         if req.generator is not None and not req.params.greedy:
             self.runner.sampler.advance(req.generator, vocab, len(outs))
         # Those tokens' text was already streamed; replaying them puts this detokenizer in
-        # the same state (held-back bytes and stop-string tail).
-        self._detok[req.request_id].update(outs)
+        # the same state (held-back bytes and stop-string tail); under min_tokens a token at
+        # a time (whether a stop string counts depends on the token that ends it).
+        for part in ([outs] if not req.params.min_tokens else [[t] for t in outs]):
+            self._detok[req.request_id].update(part)
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, priority, cache_salt,
@@ -204,9 +213,12 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(request_id, token_ids, params, self.model_config.eos_token_ids,
                       priority, cache_salt=cache_salt)
+        req.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
         if params.structured is not None:
             req.grammar = self.grammars.matcher(params.structured, grammar)
         return req
@@ -217,7 +229,8 @@ class LLMEngine:
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, stop=params.stop,
             skip_special_tokens=params.skip_special_tokens,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -226,10 +239,12 @@ class LLMEngine:
             return list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, ending with the assistant turn
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """Chat messages (and OpenAI function `tools`, more template variables) through
+        the model's chat template (or --chat-template's), ending with the assistant turn
         (services/common/tokenizer.py; ValueError if the template refuses them)."""
-        return apply_chat_template(self.tokenizer, messages)
+        return apply_chat_template(self.tokenizer, messages, tools, template_kwargs)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; for a prefilled one, release its held blocks."""

@@ -103,7 +103,7 @@ class GrammarCompiler:
         if compiled is None:
             raise ValueError(f"structured output {constraint.kind}: not compiled; compile "
                              "it before adding the request (grammars.submit)")
-        return GrammarState(xgr.GrammarMatcher(compiled))
+        return GrammarState(xgr.GrammarMatcher(compiled), constraint.start_after)
 
     def close(self) -> None:
         """The threads end after the compile each runs (daemons: nobody waits)."""

@@ -225,8 +225,13 @@ class ModelRunner:
         for req, _ in samplers:
             drafts = req.spec_token_ids
             outs = req.output_token_ids
+            # Under min_tokens, EOS and the stop ids are banned (per row: a draft's row
+            # counts the drafts before it).
+            stops = (req.eos_ids | req.stop_ids if len(outs) < req.params.min_tokens
+                     else frozenset())
             rows += [SamplingRow(req.params, req.generator, req.prompt_token_ids,
-                                 outs + drafts[:j], drafts[j] if j < len(drafts) else None)
+                                 outs + drafts[:j], drafts[j] if j < len(drafts) else None,
+                                 stops, req.bad_words_ids)
                      for j in range(len(drafts) + 1)]
         out = self.sampler(logits, rows)
         return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}

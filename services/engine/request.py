@@ -54,6 +54,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_ids = frozenset(params.stop_token_ids)
         self.eos_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        # bad_words as token id sequences (the engine tokenizes them): the last id of each
+        # is banned where the output ends with the others.
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -1,4 +1,5 @@
-"""Turn one step's logits into tokens: penalties, temperature, top-k/top-p/min-p, sampling.
+"""Turn one step's logits into tokens: penalties, logit bias and bans (min_tokens,
+bad_words), temperature, top-k/top-p/min-p, sampling.
 
 No host syncs: `Sampler.sample` reads no device value on the host (every decision it makes
 comes from the rows' parameters, which live on the host), and host data reaches the device
@@ -25,6 +26,10 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # for a draft position, with the drafts before it
     draft_token: int | None = None  # the draft token this row verifies (spec decoding)
+    # Banned while output_token_ids is shorter than params.min_tokens: EOS and stop ids.
+    stop_ids: frozenset[int] = frozenset()
+    # bad_words as token ids: the last id is banned where the output ends with the others.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -77,6 +82,71 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         freq_t = to_device(freq, torch.float32, dev)[:, None]
         # OpenAI: logit -= frequency * count + presence * (count > 0), output tokens only.
         out = out - freq_t * counts - pres_t * (counts > 0).float()
+    return out
+
+
+def bad_words_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each word's token ids as written (leading spaces dropped) and with one leading
+    space, the way it reads mid-sentence (" refers" is one token where "refers" is two).
+    The spaced form is left out where it is the plain one after a token of its own for
+    the space: the plain form bans that already."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        seqs[plain] = None
+        if spaced[1:] != plain:
+            seqs[spaced] = None
+    return tuple(s for s in seqs if s)
+
+
+def banned_ids(r: SamplingRow) -> list[int]:
+    """The ids this row may not sample: stop ids under min_tokens, and the bad words
+    whose other tokens the output ends with."""
+    out = r.output_token_ids
+    banned = list(r.stop_ids) if len(out) < r.params.min_tokens else []
+    for word in r.bad_words:
+        k = len(word) - 1
+        # The last token first: most words fail there, without a slice.
+        if k == 0 or (k <= len(out) and out[-1] == word[-2] and out[-k:] == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_bias_and_bans(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias added, and banned ids (`banned_ids`) set to -inf, out of place: `scores`
+    (maybe the raw logits, which logprobs read) is never written. A row where the bans
+    would leave no token at all (a constraint that allows only EOS under min_tokens)
+    keeps its bans off: the constraint then ends the request. Ids outside the logits
+    (a stop id past the vocabulary) are skipped."""
+    b, v = scores.shape
+    bias_at: tuple[list[int], list[int]] = ([], [])
+    bias: list[float] = []
+    ban_at: tuple[list[int], list[int]] = ([], [])
+    for i, r in enumerate(rows):
+        for t, x in r.params.logit_bias:
+            if t < v:
+                bias_at[0].append(i)
+                bias_at[1].append(t)
+                bias.append(x)
+        for t in banned_ids(r):
+            if 0 <= t < v:
+                ban_at[0].append(i)
+                ban_at[1].append(t)
+    if not bias and not ban_at[0]:
+        return scores
+    dev = scores.device
+    out = scores.float()
+    if bias:
+        idx = tuple(to_device(a, torch.long, dev) for a in bias_at)
+        out = out.index_put(idx, to_device(bias, torch.float32, dev), accumulate=True)
+    if ban_at[0]:
+        idx = tuple(to_device(a, torch.long, dev) for a in ban_at)
+        ban = torch.zeros(b, v, dtype=torch.bool, device=dev).index_put(
+            idx, torch.ones((), dtype=torch.bool, device=dev))
+        banned = out.masked_fill(ban, float("-inf"))
+        nothing_left = banned.isneginf().all(dim=-1, keepdim=True)
+        out = torch.where(nothing_left, out, banned)
     return out
 
 
@@ -171,6 +241,7 @@ class Sampler:
         dev = logits.device
         raw = logits.float() if random_idx or any_pen else logits
         scores = apply_penalties(raw, rows) if any_pen else raw
+        scores = apply_bias_and_bans(scores, rows)
         if len(random_idx) == b:
             sampled = torch.empty(b, dtype=torch.long, device=dev)
         else:

@@ -313,7 +313,10 @@ class Scheduler:
         return got_token
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        if token in req.stop_ids or token in req.eos_ids:
+        # Under min_tokens the sampler masks these ids; one that comes anyway (a
+        # constraint that allowed nothing else) does not end the output either.
+        if ((token in req.stop_ids or token in req.eos_ids)
+                and req.num_output_tokens > req.params.min_tokens):
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

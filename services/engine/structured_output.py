@@ -9,6 +9,10 @@ batch's allowed-token mask applied to the logits before sampling.
     after it:     the matcher accepts each emitted token; once it terminates, the request
                   ends (finish reason "stop")
 
+A constraint with `start_after` token ids (a reasoning model's "</think>") waits: until
+the output holds them in a row its rows are left free (all ones) and its tokens go
+untested; from the token after them on, the matcher takes over.
+
 The mask is 32 tokens per int32 word: bit (t % 32) of word t // 32 says token t may come
 next. Rows of requests without a constraint are never touched.
 
@@ -27,50 +31,74 @@ import torch
 
 class GrammarState:
     """A request's matcher. `accept` takes emitted tokens; `terminated` says the
-    constraint is complete (a stop token was accepted)."""
+    constraint is complete (a stop token was accepted). With `start_after`, the matcher
+    sees only the tokens after those ids have come in a row."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, start_after: tuple[int, ...] = ()):
         self.matcher = matcher
+        self.start_after = tuple(start_after)
+        self.started = not self.start_after
+        self._tail: tuple[int, ...] = ()  # the last output tokens while not started
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.accept_token(token_id)
+        if self.started:
+            return self.matcher.accept_token(token_id)
+        self._tail = (*self._tail, token_id)[-len(self.start_after):]
+        self.started = self._tail == self.start_after
+        return True
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.started and self.matcher.is_terminated()
+
+    def _try(self, token_id: int) -> tuple[bool, int]:
+        """accept(token_id) for a look ahead: (accepted, matcher tokens to roll back)."""
+        matched = self.started
+        ok = self.accept(token_id)
+        return ok, int(matched and ok)
+
+    def _restore(self, saved: tuple, matched: int) -> None:
+        self.started, self._tail = saved
+        if matched:
+            self.matcher.rollback(matched)
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` (draft tokens) the constraint allows; the
-        matcher's state is left as it was."""
-        n = 0
+        state is left as it was."""
+        n = matched = 0
+        saved = (self.started, self._tail)
         try:
             for t in tokens:
-                if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                if self.terminated:
                     break
-                n += 1
+                ok, m = self._try(t)
+                if not ok:
+                    break
+                n, matched = n + 1, matched + m
         finally:
-            if n:
-                self.matcher.rollback(n)
+            self._restore(saved, matched)
         return tokens[:n]
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows row .. row + len(drafts): the mask now, then after each draft token
-        (drafts were cut to a valid prefix, so each is accepted). After a draft that
-        ends the constraint (a stop token) no token may follow: an empty row, which the
-        walk never reaches (the stop token ends the request)."""
-        accepted = 0
+        (drafts were cut to a valid prefix, so each is accepted). Before the start any
+        token may come (all ones). After a draft that ends the constraint (a stop token)
+        no token may follow: an empty row, which the walk never reaches (the stop token
+        ends the request)."""
+        matched = 0
+        saved = (self.started, self._tail)
         try:
             for j in range(len(drafts) + 1):
                 if j:
-                    self.matcher.accept_token(drafts[j - 1])
-                    accepted += 1
-                if self.matcher.is_terminated():
+                    matched += self._try(drafts[j - 1])[1]
+                if not self.started:
+                    bitmask[row + j] = -1
+                elif self.matcher.is_terminated():
                     bitmask[row + j] = 0
                 else:
                     self.matcher.fill_next_token_bitmask(bitmask, row + j)
         finally:
-            if accepted:
-                self.matcher.rollback(accepted)
+            self._restore(saved, matched)
 
 
 class BatchMask:

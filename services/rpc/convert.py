@@ -34,7 +34,7 @@ def finish_reason_of(number: int) -> FinishReason | None:
 
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-             "skip_special_tokens")
+             "skip_special_tokens", "min_tokens")
 
 
 def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> SamplingParams:
@@ -53,18 +53,25 @@ def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> Sa
         kw["include_stop_str_in_output"] = True
     if msg.HasField("structured_output"):
         kw["structured"] = structured_of(msg.structured_output)
+    if msg.logit_bias:
+        kw["logit_bias"] = dict(msg.logit_bias)
+    if msg.bad_words:
+        kw["bad_words"] = tuple(msg.bad_words)
     return SamplingParams(**kw)
 
 
 def sampling_message(**kw) -> gen.SamplingParams:
     """The wire's SamplingParams from its fields as keyword arguments (`structured=` a
-    StructuredOutput; None: unset), for clients and the OpenAI routes."""
+    StructuredOutput; `logit_bias` a dict of token id to bias; None: unset), for clients
+    and the OpenAI routes."""
     msg = gen.SamplingParams()
     for name, value in kw.items():
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids"):
+        if name in ("stop", "stop_token_ids", "bad_words"):
             getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        elif name == "logit_bias":
+            msg.logit_bias.update(value)
         elif name == "structured":
             msg.structured_output.CopyFrom(structured_message(value))
         else:
@@ -76,28 +83,30 @@ def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
     """The wire's constraint as the engine's; ValueError if none is set or it is malformed
     (the checks are StructuredOutput's own)."""
     which = msg.WhichOneof("constraint")
+    after = tuple(msg.start_after_token_ids)
     if which == "json_schema":
-        return StructuredOutput("json", msg.json_schema)
+        return StructuredOutput("json", msg.json_schema, start_after=after)
     if which == "json_object":
         if not msg.json_object:
             raise ValueError("structured output json_object: must be true when set")
-        return StructuredOutput("json_object")
+        return StructuredOutput("json_object", start_after=after)
     if which == "choice":
-        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices), start_after=after)
     if which in ("regex", "grammar"):
-        return StructuredOutput(which, getattr(msg, which))
+        return StructuredOutput(which, getattr(msg, which), start_after=after)
     raise ValueError("structured output: no constraint set (json_schema, json_object, "
                      "regex, grammar or choice)")
 
 
 def structured_message(so: StructuredOutput) -> gen.StructuredOutput:
+    after = {"start_after_token_ids": so.start_after} if so.start_after else {}
     if so.kind == "json":
-        return gen.StructuredOutput(json_schema=so.spec)
+        return gen.StructuredOutput(json_schema=so.spec, **after)
     if so.kind == "json_object":
-        return gen.StructuredOutput(json_object=True)
+        return gen.StructuredOutput(json_object=True, **after)
     if so.kind == "choice":
-        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices))
-    return gen.StructuredOutput(**{so.kind: so.spec})
+        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices), **after)
+    return gen.StructuredOutput(**{so.kind: so.spec}, **after)
 
 
 def logprobs_messages(logprobs: list[dict[int, float]]) -> list[gen.TokenLogprobs]:
@@ -115,7 +124,3 @@ def set_stop_reason(msg, stop_reason: str | int | None) -> None:
 def stop_reason_of(msg) -> str | int | None:
     which = msg.WhichOneof("stop_reason")
     return None if which is None else getattr(msg, which)
-
-
-def chat_messages(msg: gen.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in msg.messages]

@@ -50,6 +50,9 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue,
                                       threading.Event]] = {}
         self._stopped = False
+        # Called as each request arrives; what it returns sees each of its outputs
+        # (metrics: vllm_metrics.py). None: nothing watches.
+        self.observer: Callable[[], Callable[[RequestOutput], None]] | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -83,6 +86,7 @@ class AsyncEngine:
         while the request is being admitted), the request is aborted in the engine."""
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        watch = self.observer() if self.observer is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         admitted = threading.Event()  # set on the engine thread once the engine holds it
         entry = (asyncio.get_running_loop(), queue, admitted)
@@ -109,6 +113,8 @@ class AsyncEngine:
             await self.call(admit)
             while True:
                 out = await queue.get()
+                if watch is not None:
+                    watch(out)
                 yield out
                 if out.finished or out.handed_off:
                     finished = True

@@ -1,7 +1,7 @@
 """A worker's Prometheus metrics, vLLM's names with Baton's prefix (`vllm:` becomes
-`baton:`). The gauges and counters are read at scrape time from the engine thread's
-stats snapshot (never from the live engine); the histograms are observed as requests
-end."""
+`baton:`), and vLLM's own names beside them (vllm_metrics.py). The gauges and counters
+are read at scrape time from the engine thread's stats snapshot (never from the live
+engine); the histograms are observed as requests end."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
+from baton.services.worker.vllm_metrics import VllmMetrics
 
 GAUGES = {  # name: (help, from the stats snapshot)
     "baton:num_requests_running": ("Requests in the running batch",
@@ -48,11 +49,14 @@ COUNTERS = {
 
 
 class WorkerMetrics:
-    def __init__(self, stats, model_name: str, block_bytes: int):
-        """`stats()` returns the latest EngineStats snapshot."""
+    def __init__(self, stats, model_name: str, block_bytes: int,
+                 served_model_name: str | None = None):
+        """`stats()` returns the latest EngineStats snapshot. The `vllm:` families beside
+        these are labelled with `served_model_name` (default: `model_name`), as vLLM's."""
         self.registry = CollectorRegistry()
         self._stats, self.model, self.block_bytes = stats, model_name, block_bytes
         self.registry.register(self)
+        self.vllm = VllmMetrics(self.registry, stats, served_model_name or model_name)
         label = ["model_name"]
         self.pull = Histogram("baton:kv_pull_seconds", "Decode: one pull of a prompt's KV",
                               label, buckets=TRANSFER_BUCKETS, registry=self.registry)
@@ -81,6 +85,10 @@ class WorkerMetrics:
         if out.queue_time is not None and out.prefill_time is not None:
             self.queue.labels(self.model).observe(out.queue_time)
             self.prefill.labels(self.model).observe(out.prefill_time)
+
+    def watch(self, aengine) -> None:
+        """Every request `aengine` runs goes through the `vllm:` request metrics."""
+        aengine.observer = self.vllm.request
 
     def serve(self, service: ServiceConfig) -> None:
         serve_metrics(service, [self.registry])

@@ -49,7 +49,8 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     tracing.setup(f"baton-{role}", svc)
     aengine = AsyncEngine(engine, config.max_waiting, config.engine_stall_timeout)
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
-                            engine.kv_layout.block_bytes)
+                            engine.kv_layout.block_bytes, engine.model_info.served_model_name)
+    metrics.watch(aengine)
     metrics.serve(svc)
     work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
     lifecycle = Lifecycle((method_name(wk, service, work),))

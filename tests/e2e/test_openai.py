@@ -107,13 +107,37 @@ def test_logprobs_in_both_shapes(client, model):
     assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(3)]
 
 
+def test_min_tokens_logit_bias_bad_words_and_echo(client, model, offline):
+    eos = offline.engine.model_info.eos_token_ids[0]
+    # EOS pushed to the top: it comes first, or right after min_tokens tokens (the decode
+    # worker counts the token the prefill worker sampled).
+    for m in (0, 5):
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=20,
+                                        temperature=0, logit_bias={str(eos): 100},
+                                        extra_body={"min_tokens": m})
+        assert out.usage.completion_tokens == m + 1, m
+        assert out.choices[0].finish_reason == "stop"
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    word = offline.tokenizer.decode(ref.token_ids[2:3])
+    want = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0,
+                                                     bad_words=[word]))[0]
+    assert want.token_ids != ref.token_ids
+    for stream in (False, True):
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                        temperature=0, echo=True, stream=stream,
+                                        extra_body={"bad_words": [word]})
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == PROMPT + want.text
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ({"temperature": 0}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-    ({"messages": MESSAGES, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"messages": MESSAGES, "logit_bias": {"49152": 5}}, 400, "logit_bias"),  # no such id
+    ({"messages": MESSAGES, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"messages": MESSAGES, "model": "gpt-9"}, 404, "model"),
     ({"messages": MESSAGES, "max_tokens": 2**40}, 400, None),  # past int32: still a 400
 ])

@@ -1,4 +1,4 @@
-"""Fixtures of the engine API tests (test_engine_*.py)."""
+"""Fixtures of the engine API tests (test_engine_*.py, test_sampling_fields.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ def small(make_llm, tiny_model):
     return make_llm(model=str(tiny_model), dtype="float32", max_model_len=40, max_num_seqs=8,
                     max_num_batched_tokens=128, scheduling_policy="priority",
                     kv_cache_gib=kv_gib(tiny_model, 13))
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model):
+    """HF transformers' own Llama over the tiny model's weights, in fp32 (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

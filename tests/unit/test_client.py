@@ -201,7 +201,8 @@ def test_every_sampling_field_is_a_keyword():
                   repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=0.5,
                   stop=["a", "b"], stop_token_ids=[5], ignore_eos=True, logprobs=2,
                   skip_special_tokens=False, include_stop_str_in_output=True,
-                  structured_output=gen.StructuredOutput(regex="[ab]+"))
+                  structured_output=gen.StructuredOutput(regex="[ab]+"), min_tokens=4,
+                  logit_bias={7: -100.0, 9: 2.5}, bad_words=["x y", "z"])
     assert set(values) == SAMPLING_FIELDS
     msg = generate_request(token_ids=[1, 2], request_id="x", priority=3, cache_salt="s",
                            **values)

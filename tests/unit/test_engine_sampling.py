@@ -24,13 +24,6 @@ def llm(make_llm, tiny_model):
                     max_num_seqs=16)
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model):
-    """HF transformers' own Llama over the same weights, in fp32 (the reference)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
-
 
 # ---- seeds ---------------------------------------------------------------------------
 

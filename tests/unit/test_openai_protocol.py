@@ -18,6 +18,7 @@ from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import param_of
 from baton.services.engine.outputs import EngineStats
 from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
@@ -53,8 +54,9 @@ def test_completion_prompts_in_every_form_make_one_request_per_prompt_and_choice
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"logit_bias": {"a1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {"-1": 2.0}}, "logit_bias"),
+    ({"functions": [{"name": "f"}]}, "functions"),  # OpenAI's old form: unknown
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0]"),
@@ -64,10 +66,35 @@ def test_what_the_engine_cannot_honour_is_refused_naming_it(body, field):
         ChatRequest(model="m", **{"messages": MESSAGES, **body}).requests(2048)
 
 
-def test_echo_suffix_and_best_of_are_refused():
-    for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 3}):
+def test_echo_with_logprobs_suffix_and_best_of_are_refused():
+    for extra in ({"echo": True, "logprobs": 1}, {"suffix": "x"}, {"best_of": 3}):
         with pytest.raises(InvalidArgument, match=next(iter(extra))):
             CompletionRequest(model="m", prompt="p", **extra).requests(2048)
+
+
+def test_min_tokens_logit_bias_and_bad_words_reach_the_wire_and_the_engine():
+    body = {"messages": MESSAGES, "max_tokens": 9, "min_tokens": 4,
+            "logit_bias": {"7": -100, " 12": 2.5}, "bad_words": ["no way", "x"]}
+    msg = ChatRequest(model="m", **body).requests(2048)[0].sampling
+    assert (msg.min_tokens, dict(msg.logit_bias), list(msg.bad_words)) == (
+        4, {7: -100.0, 12: 2.5}, ["no way", "x"])
+    params = sampling_params(msg)
+    assert (params.min_tokens, params.logit_bias, params.bad_words) == (
+        4, ((7, -100.0), (12, 2.5)), ("no way", "x"))
+    unset = sampling_params(ChatRequest(model="m", messages=MESSAGES).requests(2048)[0]
+                            .sampling)
+    assert (unset.min_tokens, unset.logit_bias, unset.bad_words) == (0, (), ())
+
+
+def test_echo_texts_follow_the_requests_order():
+    decode = lambda ids: "|".join(map(str, ids))  # noqa: E731
+    for prompt, want in [("a b", ["a b"] * 2), ([1, 2], ["1|2"] * 2),
+                         (["x", "y"], ["x", "x", "y", "y"]),
+                         ([[1], [2, 3]], ["1", "1", "2|3", "2|3"])]:
+        body = CompletionRequest(model="m", prompt=prompt, n=2, echo=True)
+        assert len(body.requests(2048)) == len(want)
+        assert body.echo_texts(decode) == want
+    assert CompletionRequest(model="m", prompt="p").echo_texts(decode) == []
 
 
 @pytest.mark.parametrize("message, chat, param", [

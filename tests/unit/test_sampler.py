@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.services.common.sampling_params import SamplingParams
-from baton.services.engine.sampler import Sampler, SamplingRow, apply_penalties
+from baton.services.engine.sampler import Sampler, SamplingRow, apply_penalties, banned_ids
 
 
 def row(seed: int | None = None, prompt=(), output=(), **kw) -> SamplingRow:
@@ -218,6 +218,69 @@ def test_penalties_steer_greedy_choice():
     assert out.token_ids[:4] != logits[:4].argmax(-1).tolist()
 
 
+# --- logit bias and bans -------------------------------------------------------------------
+
+
+def test_logit_bias_is_added_before_greedy_and_logprobs_stay_raw():
+    logits = torch.randn(3, 50, generator=gen(61))
+    top = int(logits[0].argmax())
+    bias = {3: 5.0, 10: -100.0, top: -3.5}
+    rows = [row(temperature=0.0, logit_bias=bias, logprobs=1), row(temperature=0.0),
+            row(seed=1, temperature=1.0, logit_bias={7: 100.0})]
+    out = Sampler(gen())(logits, rows)
+    ref = logits[0].clone()
+    for t, b in bias.items():
+        ref[t] += b
+    assert out.token_ids == [int(ref.argmax()), int(logits[1].argmax()), 7]
+    assert out.token_ids[0] != top
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0] == pytest.approx(raw[0, out.token_ids[0]].item(), abs=1e-5)
+    assert out.top_logprobs[0][0][0] == top  # the raw distribution's best, not the bias's
+
+
+def test_logit_bias_samples_softmax_of_biased_logits():
+    bias = {int(_PERM[0]): -1.0, int(_PERM[7]): 2.0}
+    freq, probs = _freqs({"temperature": 1.0, "logit_bias": bias})
+    shift = torch.zeros(8)
+    for t, b in bias.items():
+        shift[t] = b
+    _assert_close(freq, (probs.log() + shift).softmax(-1))
+
+
+def test_min_tokens_bans_stop_ids_until_reached_and_bad_words_by_their_prefix():
+    stops = frozenset({4, 9})
+
+    def banned(out, min_tokens=0, words=()):
+        r = SamplingRow(SamplingParams(max_tokens=20, min_tokens=min_tokens), None, [],
+                        list(out), None, stops, words)
+        return sorted(banned_ids(r))
+
+    assert banned([1, 2], min_tokens=3) == [4, 9]
+    assert banned([1, 2, 3], min_tokens=3) == []  # the 4th token may stop
+    words = ((5,), (6, 7), (1, 2, 8))
+    assert banned([], words=words) == [5]  # one token: always; longer: not yet
+    assert banned([3, 6], words=words) == [5, 7]
+    assert banned([1, 2], words=words) == [5, 8]
+    assert banned([2, 2], words=words) == [5]
+    assert banned([6], min_tokens=2, words=words) == [4, 5, 7, 9]
+
+
+def test_bans_are_minus_inf_unless_they_would_leave_no_token():
+    logits = torch.randn(3, 6, generator=gen(62))
+    logits[1, :5] = float("-inf")  # a constraint that allows only token 5 (EOS, say)
+    logits[2, :] = 0.0
+    eos = frozenset({5})
+    rows = [SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), None, [], [], None,
+                        frozenset({int(logits[0].argmax())})),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), None, [], [], None, eos),
+            SamplingRow(SamplingParams(temperature=0.0), None, [], [0], None, frozenset(),
+                        ((0, 1), (2,), (0, 3), (0, 4), (5,)))]
+    out = Sampler(gen())(logits, rows)
+    assert out.token_ids[0] == int(logits[0].topk(2).indices[1])  # the runner-up
+    assert out.token_ids[1] == 5  # nothing else: the ban is off, the constraint ends it
+    assert out.token_ids[2] == 0  # 1..5 banned: 0 is left
+
+
 # --- logprobs -------------------------------------------------------------------------------
 
 
@@ -265,8 +328,10 @@ def test_cuda_matches_cpu_with_cpu_generators():
 
 
 def _mixed_rows():
-    return [row(temperature=0.0), row(seed=5, temperature=0.9, top_p=0.8, min_p=0.05),
-            row(temperature=0.7, top_k=20, logprobs=3),
+    return [row(temperature=0.0, logit_bias={3: 2.0}),
+            row(seed=5, temperature=0.9, top_p=0.8, min_p=0.05),
+            SamplingRow(SamplingParams(temperature=0.7, top_k=20, logprobs=3, min_tokens=4),
+                        None, [], [1], None, frozenset({2}), ((1, 5), (6,))),
             row(seed=8, temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5,
                 frequency_penalty=0.3, prompt=[1, 2], output=[3, 4, 4])]
 

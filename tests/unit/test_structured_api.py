@@ -213,12 +213,17 @@ def test_a_bad_nested_value_names_the_nested_key():
     assert param_of(str(e.value), True) == "structured_outputs.json"
 
 
-@pytest.mark.parametrize("body, field", [({"tools": [{"type": "function"}]}, "tools"),
-                                         ({"functions": [{"name": "f"}]}, "functions"),
-                                         ({"logit_bias": {"1": 1.0}}, "logit_bias")])
-def test_tools_functions_and_logit_bias_are_still_refused(body, field):
+@pytest.mark.parametrize("body, field", [({"functions": [{"name": "f"}]}, "functions")])
+def test_functions_are_refused(body, field):
     with pytest.raises(InvalidArgument, match=field):
         ChatRequest(model="m", messages=MESSAGES, guided_regex="a", **body).requests(2048)
+
+
+def test_logit_bias_goes_with_a_constraint():
+    (req,) = ChatRequest(model="m", messages=MESSAGES, guided_regex="a",
+                         logit_bias={"1": 1.0}).requests(2048)
+    assert dict(req.sampling.logit_bias) == {1: 1.0}
+    assert sampling_params(req.sampling).structured == StructuredOutput("regex", "a")
 
 
 def test_over_http_a_bad_constraint_is_a_400_naming_the_field():

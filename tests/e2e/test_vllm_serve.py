@@ -1,0 +1,128 @@
+"""`baton serve MODEL` as a vLLM user types it: one colocated process on the HTTP --port,
+behind --api-key, that answers /v1/completions, round-trips /tokenize and /detokenize,
+and whose `vllm:` metrics move under load (the gauges while a stream runs, the counters
+and histograms by exactly the requests and tokens it served)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from baton.services.common.tokenizer import load_tokenizer
+from tests.e2e.helpers import metric_value
+from tests.e2e.topology import ROOT, WORKER_FLAGS, ZYGOTE, free_port
+
+KEY = "a-key-for-the-vllm-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LOAD, TOKENS = 4, 8  # concurrent requests, tokens each
+
+
+def _start(cmd: list[str], log) -> subprocess.Popen:
+    env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+    if ZYGOTE is not None:
+        return ZYGOTE.spawn(cmd, log, env)
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(base: str, proc, log, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"baton serve exited: {open(log).read()[-3000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"baton serve did not come up: {open(log).read()[-3000:]}")
+
+
+def test_baton_serve_model_answers_like_vllm(tiny_model, tmp_path):
+    http, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    proc = _start([sys.executable, "-m", "baton.cli", "serve", str(tiny_model),
+                   "--host", "127.0.0.1", "--address", f"127.0.0.1:{grpc_port}",
+                   "--port", str(http), "--api-key", KEY, *WORKER_FLAGS], log)
+    base = f"http://127.0.0.1:{http}"
+    try:
+        _wait_ready(base, proc, log)
+        with httpx.Client(base_url=base, headers=AUTH, timeout=60) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            assert model == tiny_model.name
+            refused = client.post("/v1/completions", headers={"Authorization": ""},
+                                  json={"model": model, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 401
+            done = client.post("/v1/completions", headers={"X-Request-Id": "e2e-1"}, json={
+                "model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True})
+            assert done.status_code == 200, done.text
+            assert done.headers["x-request-id"] == "e2e-1" and done.json()["id"] == "cmpl-e2e-1"
+            assert done.json()["usage"]["completion_tokens"] == 4
+
+            text = "Baton serves what vLLM serves."
+            ids = client.post("/tokenize", json={"model": model, "prompt": text}).json()
+            assert ids["tokens"] == load_tokenizer(tiny_model).encode(text)
+            assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] > 0
+            back = client.post("/detokenize", json={"model": model, "tokens": ids["tokens"]})
+            assert back.json() == {"prompt": text}
+            assert client.get("/version").json()["version"]
+
+            _metrics_move_under_load(client, model)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
+    def scrape() -> str:
+        return client.get("/metrics").text
+
+    def figure(text: str, name: str, **labels) -> float:
+        return metric_value(text, name, model_name=model, **labels)
+
+    # A stream holds a running request and its KV while it runs.
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        next(stream.iter_lines())  # its first token has come
+        during = scrape()
+    assert figure(during, "vllm:num_requests_running") >= 1
+    assert figure(during, "vllm:kv_cache_usage_perc") > 0
+    time.sleep(0.5)  # the closed stream's request ends on the engine
+    before = scrape()
+
+    async def load():
+        async with httpx.AsyncClient(base_url=str(client.base_url), headers=AUTH,
+                                     timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": model, "prompt": f"Request {i} says", "max_tokens": TOKENS,
+                "ignore_eos": True}) for i in range(LOAD)))
+
+    assert [r.status_code for r in asyncio.run(load())] == [200] * LOAD
+    after = scrape()
+
+    def moved(name: str, **labels) -> float:
+        return figure(after, name, **labels) - figure(before, name, **labels)
+
+    assert moved("vllm:request_success_total", finished_reason="length") == LOAD
+    assert moved("vllm:time_to_first_token_seconds_count") == LOAD
+    assert moved("vllm:e2e_request_latency_seconds_count") == LOAD
+    assert moved("vllm:inter_token_latency_seconds_count") == LOAD * (TOKENS - 1)
+    assert moved("vllm:time_per_output_token_seconds_count") == LOAD * (TOKENS - 1)
+    assert moved("vllm:generation_tokens_total") == LOAD * TOKENS
+    assert moved("vllm:prompt_tokens_total") > 0
+    assert moved("vllm:e2e_request_latency_seconds_sum") > 0
+    assert figure(after, "vllm:num_requests_running") == 0
+    assert figure(after, "vllm:num_requests_waiting") == 0
+    # Baton's own names are still there, beside vLLM's.
+    assert figure(after, "baton:request_success_total", finished_reason="length") >= LOAD
