@@ -197,7 +197,9 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
     assert len(results) == 20, results  # 11 HTTP bodies, 9 gRPC requests
     for r in results:
         assert r["status"] in (400, "INVALID_ARGUMENT") and r["param"] == r["want"], r
-        assert r["took"] < 1.0, r
+        # Counted and refused before any per-item work: well under the many seconds a
+        # parse of every giant body takes, with the other test process on the cores.
+        assert r["took"] < 2.0, r
     # Parsed on the loop, 20 giant requests would stall it 20 times; the other test
     # process and the sender share the two cores, so the OS may delay a poll or two.
     slowest = sorted(latencies)[-3:]
