@@ -101,6 +101,13 @@ class Reply:
             out.timings.CopyFrom(self.timings)
         return out
 
+    def nothing_left(self, max_model_len: int) -> bool:
+        """Every token the request may have is streamed (its max_tokens, or the context):
+        a decode worker asked to go on would refuse it."""
+        sampling, n = self.job.request.sampling, len(self.streamed)
+        return ((sampling.HasField("max_tokens") and n >= sampling.max_tokens)
+                or len(self.job.prompt_ids) + n >= max_model_len)
+
     def decode_request(self, lease: PrefillLease) -> wk.DecodeRequest:
         r = self.job.request
         dreq = wk.DecodeRequest(request_id=self.job.request_id,
@@ -331,6 +338,11 @@ class Router:
         exclude: set[str] = set()
         overloaded, m = None, self.metrics
         while True:
+            if exclude and reply.nothing_left(self.model_info().max_model_len):
+                # The worker that went away had streamed the last token, not the end:
+                # end it here as the engine would have (max_tokens or the context).
+                yield reply.delta(gen.TokenDelta(finish_reason=gen.FINISH_REASON_LENGTH))
+                return
             try:
                 worker, paired = self.registry.pick_decode(lease.engine_id, exclude,
                                                            reply.blocks, prefer=local)

@@ -71,6 +71,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     fail_with: grpc.StatusCode | None = None  # refuse Prefill / Decode with this code
     retry_after_ms: int | None = None  # with RESOURCE_EXHAUSTED
     die_after: int | None = None  # decode: fail (UNAVAILABLE) after this many messages
+    die_before_finish: bool = False  # decode: stream the last token, then fail, no finish
     token_delay_s: float = 0.0
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
@@ -199,7 +200,11 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                 await self._stall_if_frozen()
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                yield wk.DecodeResponse(delta=_delta(prompt, k, k == max_tokens - 1))
+                last = k == max_tokens - 1
+                ends = last and not self.die_before_finish
+                yield wk.DecodeResponse(delta=_delta(prompt, k, ends))
+                if last and self.die_before_finish:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
         finally:
             self.active -= 1
 

@@ -62,6 +62,22 @@ def test_with_no_prefill_worker_the_decode_worker_prefills(tok):
     run(main())
 
 
+def test_a_decode_worker_that_dies_after_the_last_token_ends_the_request_there(tok):
+    """Gone after its last token but before the end: nothing is left to decode, so the
+    router ends the request (length) and asks no other worker, which would refuse it."""
+    async def main():
+        async with cluster(tok, decodes=2, poll_interval=10) as c:
+            for d in c.decode:
+                d.die_before_finish = True
+            msgs = [m async for m in c.stub.Generate(request(PROMPT, 6), timeout=10)]
+            assert tokens(msgs) == expected(PROMPT, 6)
+            assert msgs[-1].delta.finish_reason == gen.FINISH_REASON_LENGTH
+            assert msgs[-1].usage.completion_tokens == 6
+            assert sum(len(d.decodes) for d in c.decode) == 1
+
+    run(main())
+
+
 def test_a_decode_worker_that_dies_mid_stream_hands_over_without_gap_or_repeat(tok):
     async def main():
         async with cluster(tok, decodes=2, poll_interval=10) as c:
