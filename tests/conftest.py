@@ -3,6 +3,7 @@ no request left, every block free with ref count zero."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -117,16 +118,14 @@ def pytest_collection_modifyitems(config, items) -> None:
 _SHARED = ("topology", "hf_model")
 
 
-def _group(rootpath: Path, module: str, cache: dict[str, str] = {}) -> str:  # noqa: B006
-    if module not in cache:
-        try:
-            text = (rootpath / module).read_text()
-        except OSError:
-            text = ""
-        takes = {name for name in _SHARED
-                 if re.search(rf"def test_\w*\([^)]*\b{name}\b", text)}
-        cache[module] = next((name for name in _SHARED if name in takes), module)
-    return cache[module]
+@functools.cache  # one read of each module, however many of its tests are scheduled
+def _group(rootpath: Path, module: str) -> str:
+    try:
+        text = (rootpath / module).read_text()
+    except OSError:
+        text = ""
+    takes = {name for name in _SHARED if re.search(rf"def test_\w*\([^)]*\b{name}\b", text)}
+    return next((name for name in _SHARED if name in takes), module)
 
 
 def pytest_xdist_make_scheduler(config, log):
