@@ -2,10 +2,7 @@
 field it fills; its default is that field's default (defined once, in the config
 dataclass), its environment variable is `BATON_` + its name, and `--help` shows both.
 
-    flag                  roles                      fills
-    --kv-cache-gib        prefill decode colocated   EngineConfig.kv_cache_gib
-    --max-inflight        router colocated           RouterConfig.max_inflight
-    ...
+    --kv-cache-gib     prefill decode colocated   fills EngineConfig.kv_cache_gib
 
 A bad value, on the command line or in a variable, gets one line naming it.
 """
@@ -50,6 +47,7 @@ class Flag:
     hidden: bool = False
     secret: bool = False  # never in --help or in a child's argv (baton up: env instead)
     aliases: tuple[str, ...] = ()  # other names of the flag (vLLM's), without dashes
+    spaced: bool = False  # a list given as `--flag a b` (vLLM's nargs), never comma-split
 
     @property
     def dest(self) -> str:
@@ -76,7 +74,8 @@ class Flag:
                 return False
             raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
         if self.kind is list:
-            return [a.strip() for a in raw.split(",") if a.strip()]
+            return raw.split() if self.spaced else [a.strip() for a in raw.split(",")
+                                                    if a.strip()]
         if self.optional and raw.strip() in ("", "none", "None"):
             return None
         try:
@@ -296,6 +295,17 @@ FLAGS: list[Flag] = [
     _f("shared-prefix-cache", ROUTERS, "router.shared_prefix_cache",
        "with API keys: one prefix cache for every key's callers (they can then tell from "
        "cached_tokens what others sent); default: one per key", kind=bool),
+    # -- LoRA adapters
+    _f("enable-lora", ROLES, (("engine", "enable_lora"), ("router", "enable_lora")),
+       "serve LoRA adapters: a request names one as its `model`", kind=bool),
+    _f("lora-modules", ROLES, (("engine", "lora_modules"), ("router", "lora_modules")),
+       "LoRA adapters served from the start: name=path or JSON", kind=list, spaced=True),
+    _f("allow-runtime-lora-updating", ROUTERS, "router.allow_runtime_lora_updating",
+       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs", kind=bool),
+    _f("max-loras", WORKERS, "engine.max_loras", "LoRA adapters in a step", kind=int),
+    _f("max-lora-rank", WORKERS, "engine.max_lora_rank", "largest LoRA rank", kind=int),
+    _f("max-cpu-loras", WORKERS, "engine.max_cpu_loras", "LoRA adapters held in host "
+       "memory (default: 4 x --max-loras)", kind=int, optional=True),
 ]
 
 
@@ -324,7 +334,7 @@ def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[F
         if flag.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif flag.kind is list:
-            kw.update(action="append", default=None)
+            kw.update(action="append", default=None, nargs="+" if flag.spaced else None)
             parser.set_defaults(**{f"{flag.dest}_env": default})
         else:
             kw["type"] = _checked(flag)
@@ -351,12 +361,7 @@ def values(ns: argparse.Namespace, flags: list[Flag], role: str) -> dict[str, di
     for flag in flags:
         if role not in flag.roles:
             continue
-        value = getattr(ns, flag.dest)
-        if flag.kind is list:
-            given = value or []
-            value = [a.strip() for v in given for a in v.split(",") if a.strip()] if given \
-                else getattr(ns, f"{flag.dest}_env")
-            value = tuple(value)
+        value = tuple(_entries(ns, flag)) if flag.kind is list else getattr(ns, flag.dest)
         for config, field in flag.fills:
             if role in BUILT_BY[config]:
                 out[config][field] = value
@@ -367,16 +372,28 @@ def argv_for(ns: argparse.Namespace, flags: list[Flag], role: str) -> list[str]:
     """Command-line arguments that give a `role` process the same values (baton up)."""
     args: list[str] = []
     for flag in flags:
-        if role not in flag.roles or flag.kind is list or flag.secret:
+        if role not in flag.roles or (flag.kind is list and not flag.spaced) or flag.secret:
             continue
-        value = getattr(ns, flag.dest)
-        if value is None:
+        value = _entries(ns, flag) if flag.kind is list else getattr(ns, flag.dest)
+        if flag.kind is list:  # a spaced one: its entries, as given
+            args += [f"--{flag.name}", *value] if value else []
+        elif value is None:
             continue
-        if flag.kind is bool:
+        elif flag.kind is bool:
             args.append(f"--{flag.name}" if value else f"--no-{flag.name}")
         else:
             args += [f"--{flag.name}", str(value)]
     return args
+
+
+def _entries(ns: argparse.Namespace, flag: Flag) -> list[str]:
+    """A list flag's entries: given (repeated; comma-separated unless spaced), else its
+    variable's."""
+    given = getattr(ns, flag.dest) or []
+    if not given:
+        return list(getattr(ns, f"{flag.dest}_env"))
+    parts = [a for v in given for a in (v if flag.spaced else v.split(","))]
+    return [a.strip() for a in parts if a.strip()]
 
 
 def fail(message: str) -> None:

@@ -43,6 +43,7 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
+from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
@@ -144,15 +145,18 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             raise InvalidArgument("request_id: required")
         params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         rid = request.request_id
+        lora_msg = request.lora if request.HasField("lora") else None
         if not request.HasField("handle"):
             grammar = await self.aengine.compile(params)
+            lora = await lora_of(self.aengine, lora_msg)
             # No handle: compute the prompt's KV here (no prefill worker could, or the
             # request migrates from a dead decode worker) and go on after its outputs.
             def resume(engine: LLMEngine):
                 engine.resume_request(list(request.prompt_token_ids),
                                       list(request.output_token_ids), params, request_id=rid,
                                       priority=request.priority,
-                                      cache_salt=request.cache_salt or None, grammar=grammar)
+                                      cache_salt=request.cache_salt or None, grammar=grammar,
+                                      lora=lora)
 
             async with aclosing(self._stream(rid, resume, context)) as replies:
                 async for reply in replies:
@@ -174,15 +178,17 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         handle = replace(handle, deadline=deadline,
                          verified=h.engine_id in self.peers.verified)
 
-        def add(engine: LLMEngine, grammar):
+        def add(engine: LLMEngine, grammar, lora):
             engine.add_remote_request(list(request.prompt_token_ids), request.first_token_id,
                                       handle, params, request_id=rid,
                                       priority=request.priority,
-                                      cache_salt=request.cache_salt or None, grammar=grammar)
+                                      cache_salt=request.cache_salt or None, grammar=grammar,
+                                      lora=lora)
 
         with self.peers.holding(handle) as load_over:  # the lease released once (peers.py)
             grammar = await self.aengine.compile(params)  # a failure still releases the lease
-            admit = partial(add, grammar=grammar)
+            lora = await lora_of(self.aengine, lora_msg)
+            admit = partial(add, grammar=grammar, lora=lora)
             async with aclosing(self._stream(rid, admit, context, load_over)) as replies:
                 async for reply in replies:
                     yield reply

@@ -25,6 +25,7 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
+from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
@@ -60,11 +61,12 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             raise InvalidArgument("request_id: required")
         prompt = list(request.prompt_token_ids)
         grammar = await self.aengine.compile(params)  # refused here, before the queue
+        lora = await lora_of(self.aengine, request.lora if request.HasField("lora") else None)
 
         def add(engine: LLMEngine):
             engine.add_request(prompt, params, request_id=rid, priority=request.priority,
                                cache_salt=request.cache_salt or None, kv_hold=True,
-                               grammar=grammar)
+                               grammar=grammar, lora=lora)
 
         out = None
         async for o in self.aengine.generate(rid, add):

@@ -17,6 +17,7 @@ from contextlib import aclosing, contextmanager
 import grpc
 
 from baton.services.common.capacity import AtCapacity
+from baton.services.common.errors import NotFound
 from baton.services.rpc.errors import BY_CODE, ServiceError, retry_after_s
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import CHANNEL_OPTIONS, status_of
@@ -146,6 +147,16 @@ class GrpcWorkerClient:
         return await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).GetKvEvents(
             wk.GetKvEventsRequest(engine_id=engine_id, after=after), timeout=timeout))
 
+    async def load_lora(self, name: str, path: str, version: int, timeout: float) -> None:
+        adapter = wk.LoraAdapter(name=name, path=path, version=version)
+        await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).LoadLora(
+            wk.LoadLoraRequest(adapter=adapter), timeout=timeout))
+
+    async def unload_lora(self, name: str, timeout: float) -> bool:
+        reply = await self._unary(lambda: wk_grpc.WorkerServiceStub(self.channel).UnloadLora(
+            wk.UnloadLoraRequest(name=name), timeout=timeout))
+        return reply.unloaded
+
 
 class LocalContext:
     """What an in-process call's handler may ask of its context."""
@@ -197,8 +208,22 @@ class LocalWorkerClient:
                     yield msg
         except TimeoutError:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        except (ServiceError, AtCapacity, ValueError, TypeError) as e:
+        except (ServiceError, AtCapacity, NotFound, ValueError, TypeError) as e:
             raise self._error(e) from None
+
+    async def load_lora(self, name: str, path: str, version: int, timeout: float) -> None:
+        try:
+            await self._worker.LoadLora(wk.LoadLoraRequest(
+                adapter=wk.LoraAdapter(name=name, path=path, version=version)), None)
+        except (ServiceError, AtCapacity, NotFound, ValueError, TypeError) as e:
+            raise self._error(e) from None
+
+    async def unload_lora(self, name: str, timeout: float) -> bool:
+        try:
+            reply = await self._worker.UnloadLora(wk.UnloadLoraRequest(name=name), None)
+        except (ServiceError, ValueError, TypeError) as e:
+            raise self._error(e) from None
+        return reply.unloaded
 
     async def stats(self, timeout: float) -> wk.GetStatsResponse:
         return await self._worker.GetStats(wk.GetStatsRequest(), None)

@@ -8,6 +8,7 @@ from baton.router.chat import ChatSettings
 from baton.router.discovery import Target
 from baton.router.policy import Policy
 from baton.services.common.limits import Limits
+from baton.services.common.lora_names import parse_lora_module
 from baton.services.rpc.config import ServiceConfig
 
 
@@ -44,6 +45,9 @@ class RouterConfig:
     api_key_file: str | None = None  # more keys, one a line
     # With keys, each key's callers have a prefix cache of their own; True: one for all.
     shared_prefix_cache: bool = False
+    enable_lora: bool = False  # LoRA adapters served (requests name them; loaded at run time)
+    lora_modules: tuple[str, ...] = ()  # "name=path" served from the start
+    allow_runtime_lora_updating: bool = False  # the load and unload routes and RPCs
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout"):
@@ -66,6 +70,11 @@ class RouterConfig:
         for role in ("prefill", "decode"):
             self.targets(role)  # a bad address fails at start-up, naming it
         self.chat_settings()  # an unknown parser fails at start-up, naming it
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for spec in self.lora_modules:
+            parse_lora_module(spec)
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(self.tool_call_parser, self.enable_auto_tool_choice,

@@ -38,6 +38,7 @@ from baton.router.clients import WorkerError
 from baton.router.intake import Intake, Job
 from baton.router.kv_index import PromptBlocks
 from baton.router.lease import PrefillLease
+from baton.router.loras import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry
 from baton.services.common.finish import FinishReason
@@ -66,10 +67,11 @@ class Reply:
     """Builds a request's GenerateResponses from the workers' deltas, and keeps what a
     migration needs: every token the client has."""
 
-    def __init__(self, job: Job, cache_salt: str):
+    def __init__(self, job: Job, cache_salt: str, lora: wk.LoraAdapter | None = None):
         self.job = job
         self.cache_salt = cache_salt  # the request's, in its caller's namespace
-        self.blocks = PromptBlocks(job.prompt_ids, cache_salt)
+        self.lora = lora  # the LoRA adapter it runs (loras.py); None: the base model
+        self.blocks = PromptBlocks(job.prompt_ids, cache_salt, lora.name if lora else "")
         self.t0 = time.monotonic()
         self.streamed: list[int] = []
         self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
@@ -112,7 +114,8 @@ class Reply:
         r = self.job.request
         dreq = wk.DecodeRequest(request_id=self.job.request_id,
                                 prompt_token_ids=self.job.prompt_ids, sampling=r.sampling,
-                                priority=r.priority, cache_salt=self.cache_salt)
+                                priority=r.priority, cache_salt=self.cache_salt,
+                                lora=self.lora)
         if lease.live:
             dreq.first_token_id = self.streamed[0]
             dreq.handle.CopyFrom(lease.handle)
@@ -141,8 +144,10 @@ class Admission:
 class Router:
     def __init__(self, registry: Registry, intake: Intake, max_inflight: int = 256,
                  request_timeout: float = 600.0, metrics: RouterMetrics | None = None,
-                 served_model_name: str | None = None, shared_prefix_cache: bool = False):
+                 served_model_name: str | None = None, shared_prefix_cache: bool = False,
+                 loras: RouterLoras | None = None):
         self.registry = registry
+        self.loras = loras or RouterLoras()  # the LoRA adapters it serves
         self.shared_prefix_cache = shared_prefix_cache  # every key's callers in one cache
         self.served_model_name = served_model_name  # overrides what the workers say
         self.intake = intake
@@ -212,6 +217,7 @@ class Router:
         span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
                                   **caller.attributes)
         try:
+            lora = self.loras.adapter(request.lora)  # NOT_FOUND before any work
             job = await self.intake.job(request, self.registry.model_info())
             span.set_attribute("baton.request_id", job.request_id)
             span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
@@ -220,7 +226,7 @@ class Router:
             m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
             output = job.output() if job.output is not None else None  # chat.py
             # aclosing: a caller that leaves closes the inner generator now.
-            async with aclosing(self._generate(job, caller, ctx)) as replies:
+            async with aclosing(self._generate(job, caller, ctx, lora)) as replies:
                 async for reply in replies:
                     if output is not None:  # reasoning, content and tool calls
                         output.apply(reply)
@@ -268,8 +274,9 @@ class Router:
             return salt
         return f"{caller.key_id}/{salt}"
 
-    async def _generate(self, job: Job, caller: Caller, ctx: Context):
-        reply = Reply(job, self.cache_salt(job, caller))
+    async def _generate(self, job: Job, caller: Caller, ctx: Context,
+                        lora: wk.LoraAdapter | None = None):
+        reply = Reply(job, self.cache_salt(job, caller), lora)
         local = self.registry.local_prefill(reply.blocks)
         if local is not None:  # conditional disaggregation: the decode worker prefills
             first, lease = None, PrefillLease(None, job.request_id)
@@ -292,7 +299,7 @@ class Router:
         job, r = reply.job, reply.job.request
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
-                                 cache_salt=reply.cache_salt)
+                                 cache_salt=reply.cache_salt, lora=reply.lora)
         overloaded, m = None, self.metrics
         for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made

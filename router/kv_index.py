@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from baton.services.common.block_hash import extend_hashes
+from baton.services.common.block_hash import extend_hashes, extra_keys
 
 DEFAULT_MAX_BLOCKS = 1 << 20  # per worker: about 120 MB at most (~117 bytes an entry)
 PREDICT_TTL_S = 10.0
@@ -27,16 +27,16 @@ PREDICT_TTL_S = 10.0
 class PromptBlocks:
     """A prompt's chained block hashes, per block size (computed once, when first asked)."""
 
-    def __init__(self, token_ids: list[int], cache_salt: str = ""):
+    def __init__(self, token_ids: list[int], cache_salt: str = "", lora_name: str = ""):
         self.token_ids = token_ids
-        self.salt = cache_salt.encode() if cache_salt else b""
+        self.extra = extra_keys(cache_salt, lora_name)
         self._hashes: dict[int, list[bytes]] = {}
 
     def hashes(self, block_size: int) -> list[bytes]:
         out = self._hashes.get(block_size)
         if out is None:
             out = self._hashes[block_size] = []
-            extend_hashes(out, self.token_ids, block_size, self.salt)
+            extend_hashes(out, self.token_ids, block_size, self.extra)
         return out
 
     def reusable(self, block_size: int) -> int:

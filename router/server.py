@@ -14,6 +14,7 @@ from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Caller, Router
 from baton.router.intake import Intake
+from baton.router.loras import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry, Worker
 from baton.services.common.tokenizer import Tokenizer
@@ -25,7 +26,8 @@ from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 
 GENERATION_METHODS = tuple(method_name(gen, "Generation", m)
-                           for m in ("Generate", "Tokenize", "GetModelInfo"))
+                           for m in ("Generate", "Tokenize", "GetModelInfo",
+                                     "LoadLoraAdapter", "UnloadLoraAdapter"))
 
 
 class RouterServicer(gen_grpc.GenerationServicer):
@@ -47,7 +49,18 @@ class RouterServicer(gen_grpc.GenerationServicer):
         return gen.TokenizeResponse(token_ids=await self.router.tokenize(request))
 
     async def GetModelInfo(self, request, context):
-        return gen.GetModelInfoResponse(info=self.router.model_info())
+        return gen.GetModelInfoResponse(info=self.router.model_info(),
+                                        lora_adapters=self.router.loras.names())
+
+    async def LoadLoraAdapter(self, request, context):
+        info = self.router.model_info()
+        await self.router.loras.load(self.router.registry, request.lora_name,
+                                     request.lora_path, (info.served_model_name, info.model))
+        return gen.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self.router.loras.unload(self.router.registry, request.lora_name)
+        return gen.UnloadLoraAdapterResponse()
 
 
 def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode: list = (),
@@ -78,7 +91,9 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     lifecycle.parse_pool = intake.parse_pool
     return Router(registry, intake, config.max_inflight, config.request_timeout,
                   RouterMetrics(config.served_model_name or ""), config.served_model_name,
-                  config.shared_prefix_cache)
+                  config.shared_prefix_cache,
+                  RouterLoras(config.enable_lora, config.lora_modules,
+                              config.allow_runtime_lora_updating))
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,

@@ -2,7 +2,8 @@
 `Generate` (so the same request gives the same tokens):
 
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or whole
-    GET  /v1/models                              the served model
+    GET  /v1/models                              the served model and its LoRA adapters
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   vLLM's (lora_routes.py)
     GET  /health                                 200 when the router can serve, else 503
     GET  /metrics                                Prometheus
     POST /tokenize, /detokenize; GET /version    vLLM's (extra_routes.py)
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.router.core import Caller, Router
-from baton.router.openai import errors, extra_routes
+from baton.router.openai import errors, extra_routes, lora_routes
 from baton.router.openai.body import parse_body
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, error_body, event, param_of
@@ -114,11 +115,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, security=security, lifecycle=lifecycle)
     errors.install(app)  # OpenAI's error shape for the rest, and the catch-all outside
+    lora_routes.install(app, router, api_error)
     extra_routes.install(app, router, ApiError, api_error)  # X-Request-Id around it all
-
-    def names() -> set[str]:
-        info = router.model_info()
-        return {info.served_model_name, info.model}
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError):
@@ -143,10 +141,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             info = router.model_info()
         except ServiceError as e:
             raise api_error(e) from None
-        name = info.served_model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "baton",
-            "root": info.model, "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": lora_routes.model_cards(router, info)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -163,16 +158,16 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             # tokenizer's), never per item on the event loop (body.py).
             body = await intake.parse(parse_body, await _body(request), kind, intake.limits)
             info = router.model_info()
-            if body.model not in names():
-                status, err = error_body(grpc.StatusCode.NOT_FOUND,
-                                         f"The model `{body.model}` does not exist.",
-                                         "model", "model_not_found")
-                raise ApiError(status, err)
+            lora = lora_routes.lora_of_model(router, body.model)  # a LoRA adapter's name?
+            if lora is None:
+                raise ApiError(*lora_routes.not_found(body.model))
             count = body.prompt_count() * body.n
             if count > router.max_inflight:
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
             requests = await intake.parse(body.requests, info.max_model_len)
+            for r in requests:
+                r.lora = lora
             # echo: the prompts' text (token ids decoded on the tokenizer's threads)
             echo = [] if chat else await intake.run(body.echo_texts, intake.tokenizer.decode)
             admission = router.admit(len(requests))  # all choices or none

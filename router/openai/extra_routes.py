@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from baton.router.openai.body import check_counts, load_json
 from baton.router.openai.chat_fields import Tool
+from baton.router.openai.lora_routes import lora_of_model, not_found
 from baton.router.openai.protocol import ChatMessage, chat_of
 from baton.router.openai.render import error_body
 from baton.services.common.limits import ROUTER_ID_CHARS, Limits
@@ -173,13 +174,8 @@ def install(app: FastAPI, router, api_error_class: type[Exception], api_error) -
     async def body_of(request: Request, kind: type[BaseModel]):
         chunks = [chunk async for chunk in request.stream() if chunk]
         body = await intake.parse(parse, chunks, kind, intake.limits)
-        if body.model is not None:
-            info = router.model_info()
-            if body.model not in (info.served_model_name, info.model):
-                status, err = error_body(grpc.StatusCode.NOT_FOUND,
-                                         f"The model `{body.model}` does not exist.",
-                                         "model", "model_not_found")
-                raise api_error_class(status, err)
+        if body.model is not None and lora_of_model(router, body.model) is None:
+            raise api_error_class(*not_found(body.model))  # (adapters share the tokenizer)
         return body
 
     @app.post("/tokenize")

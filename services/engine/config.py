@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.services.common.lora_names import parse_lora_module
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -70,6 +72,13 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_threads: int = 2  # the compiler's own threads
     grammar_compile_queue: int = 16  # compiles queued or running; past it, RESOURCE_EXHAUSTED
+    # LoRA (services/engine/lora.py): adapters in one step at most (device slots), their
+    # largest rank, and how many the host keeps loaded (None: 4 * max_loras).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[str, ...] = ()  # "name=path" (or vLLM's JSON form), loaded at start
 
     def __post_init__(self) -> None:
         if self.speculative is None:
@@ -110,6 +119,17 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got "
                                  f"{getattr(self, name)!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for spec in self.lora_modules:
+            parse_lora_module(spec)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -34,9 +34,12 @@ from baton.services.engine.generation_config import read_generation_config
 from baton.services.engine.grammar_compiler import GrammarCompiler
 from baton.services.engine.kv_cache_manager import KVCacheManager
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.services.engine.lora import LoRARequest
+from baton.services.engine.loras import EngineLoras
 from baton.services.engine.model_runner import ModelRunner
 from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from baton.services.engine.request import Request, RequestStatus
+from baton.services.engine.request_output import request_output
 from baton.services.engine.sampler import bad_words_ids
 from baton.services.engine.scheduler import Scheduler
 from baton.services.engine.spec_decode import NgramProposer
@@ -101,7 +104,10 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy,
                                    receiver=receiver,
                                    lease_timeout_s=config.kv_lease_timeout_s,
-                                   load_failure_policy=config.kv_load_failure_policy)
+                                   load_failure_policy=config.kv_load_failure_policy,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.loras = EngineLoras(self.runner.lora, model_config, self._live_loras,
+                                 config.lora_modules)  # read and checked now
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
         self.grammars = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
@@ -131,15 +137,19 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     cache_salt: str | None = None, kv_hold: bool = False,
-                    grammar=None) -> str:
+                    grammar=None, lora: LoRARequest | None = None) -> str:
         """Validate and queue a request; raise ValueError (nothing queued) on bad input.
         `grammar`: its constraint compiled (`grammars.submit`); never compiled here.
+
+        `lora`: the adapter it runs (None: the base model); NotFound if this engine
+        neither holds it nor is given its path.
 
         `kv_hold` (prefill role): the request ends after its first token unless that token
         finishes it, and its blocks stay held under a lease (`kv_block_ids` and
         `kv_lease_id` in that output) until release_lease() or the lease timeout.
         """
-        req = self._make_request(prompt, params, request_id, priority, cache_salt, grammar)
+        req = self._make_request(prompt, params, request_id, priority, cache_salt, grammar,
+                                 lora)
         req.kv_hold = kv_hold
         self._queue(req)
         return req.request_id
@@ -147,24 +157,26 @@ class LLMEngine:
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
                            handle: KVHandle, params: SamplingParams | None = None,
                            request_id: str | None = None, priority: int = 0,
-                           cache_salt: str | None = None, grammar=None) -> str:
+                           cache_salt: str | None = None, grammar=None,
+                           lora: LoRARequest | None = None) -> str:
         """Decode role: continue a request whose prompt KV sits on another engine and whose
         first token was sampled there. Only blocks missing from our prefix cache are pulled;
         the request then decodes in the running batch."""
         handle.check(self.kv_layout, len(prompt_token_ids))
         return self.resume_request(prompt_token_ids, [first_token], params, request_id,
-                                   priority, cache_salt, handle, grammar)
+                                   priority, cache_salt, handle, grammar, lora)
 
     def resume_request(self, prompt_token_ids: list[int], output_token_ids: list[int],
                        params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       handle: KVHandle | None = None, grammar=None) -> str:
+                       handle: KVHandle | None = None, grammar=None,
+                       lora: LoRARequest | None = None) -> str:
         """Continue a request whose first outputs were sampled elsewhere (a prefill engine,
         or a decode engine that died): without a handle, its KV is computed here. The
         outputs count toward max_tokens, and the detokenizer and a seeded generator are
         brought to the state they would have had, so the stream goes on seamlessly."""
         req = self._make_request(list(prompt_token_ids), params, request_id, priority,
-                                 cache_salt, grammar)
+                                 cache_salt, grammar, lora)
         outs = list(output_token_ids)
         vocab = self.model_config.vocab_size
         bad = next((t for t in outs if not isinstance(t, int) or not 0 <= t < vocab), None)
@@ -194,7 +206,7 @@ class LLMEngine:
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, priority, cache_salt,
-                      grammar) -> Request:
+                      grammar, lora: LoRARequest | None = None) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
@@ -217,7 +229,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in the vocabulary [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(request_id, token_ids, params, self.model_config.eos_token_ids,
-                      priority, cache_salt=cache_salt)
+                      priority, cache_salt=cache_salt, lora_name=self.loras.resolve(lora))
         req.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
         if params.structured is not None:
             req.grammar = self.grammars.matcher(params.structured, grammar)
@@ -249,9 +261,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; for a prefilled one, release its held blocks."""
         req = self.scheduler.abort(request_id)
+        self.loras.sweep()
         if req is None:
             return None
-        return self._output(req, [], "", self._detok[request_id])
+        return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -265,6 +278,21 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - end every other one whatever this one hit
                 log.exception("abort of %s failed", rid)
         self.reset_prefix_cache()
+
+    # ---- LoRA adapters (loras.py) -----------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read and check a PEFT directory now; ValueError says why it cannot serve."""
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """New requests cannot name it; those running it finish. False if not loaded."""
+        return self.loras.unload(name)
+
+    def _live_loras(self) -> set[str | None]:
+        s = self.scheduler
+        loading = s.loader.loading.values() if s.loader is not None else ()
+        return {r.lora_name for r in (*s.requests.values(), *loading)}
 
     @property
     def num_waiting(self) -> int:
@@ -305,7 +333,8 @@ class LLMEngine:
             num_generation_tokens=s.num_generation_tokens,
             num_spec_drafts=self.spec.num_drafts if self.spec else 0,
             num_spec_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
-            num_spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0)
+            num_spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
+            loras=tuple(self.loras.names()))
 
     # ---- prefix cache ---------------------------------------------------------------
 
@@ -326,10 +355,11 @@ class LLMEngine:
         token or ended. Stale leases expire first; with speculative decoding, running
         decodes propose their drafts before the schedule."""
         self.expire_leases()
+        self.loras.sweep()  # unloaded adapters whose last request ended (here, on abort)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        outputs = [self._output(req, [], "", self._detok[req.request_id])
+        outputs = [self._output(req, [], "")
                    for req in sched.finished]
         if not sched.scheduled:
             return outputs
@@ -350,48 +380,21 @@ class LLMEngine:
             return None
 
         got = self.scheduler.update(sched, sampled, on_token)
+        self.loras.sweep()
         if self.spec is not None:
             for s in sampled.values():
                 self.spec.record(s.num_drafts, s.num_accepted)
         for req in got:
             ids, text = deltas[req.request_id]
-            outputs.append(self._output(req, ids, text, self._detok[req.request_id]))
+            outputs.append(self._output(req, ids, text))
         for rid, s in sampled.items():  # ended by their constraint, without a token
             if s.dead and rid not in deltas:
                 req = next(r for r, _ in sched.scheduled if r.request_id == rid)
-                outputs.append(self._output(req, [], "", self._detok[rid]))
+                outputs.append(self._output(req, [], ""))
         return outputs
 
-    def _output(self, req: Request, new_ids: list[int], delta: str,
-                detok: IncrementalDetokenizer) -> RequestOutput:
-        status = req.status
-        prefilled = status == RequestStatus.PREFILLED
-        if status.finished:
-            if not prefilled and detok.stop_matched is None:
-                delta += detok.flush()
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        if req.status.finished:
             self._detok.pop(req.request_id, None)
-        stop_reason = None
-        if status == RequestStatus.FINISHED_STOPPED:
-            last = req.token_ids[-1]
-            stop_reason = detok.stop_matched or (last if last in req.stop_ids else None)
-        t_sched, t_first = req.scheduled_time, req.first_token_time
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=detok.text,
-            new_token_ids=new_ids,
-            new_text=delta,
-            finish_reason=status.finish_reason,
-            stop_reason=stop_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_preemptions=req.num_preemptions,
-            error=req.error,
-            kv_block_ids=self.kv.block_ids(req.request_id) if prefilled else None,
-            kv_lease_id=req.lease_id if prefilled else None,
-            queue_time=None if t_sched is None else t_sched - req.arrival_time,
-            prefill_time=None if t_first is None or t_sched is None else t_first - t_sched,
-            transfer_time=(None if req.load_end is None or req.load_start is None
-                           else req.load_end - req.load_start),
-        )
+        return request_output(req, new_ids, delta, detok, self.kv.block_ids)

@@ -21,7 +21,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[bytes]:
         extend_hashes(request.block_hashes, request.token_ids, self.block_size,
-                      request.cache_salt)
+                      request.hash_extra)
         return request.block_hashes
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine import LLMEngine, ReceiverFactory
+from baton.services.engine.lora import LoRARequest
 from baton.services.engine.outputs import RequestOutput
 
 
@@ -25,10 +26,12 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | Sequence[str | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         Every prompt is validated before any is queued, so bad input queues nothing.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -39,19 +42,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if cache_salt is None or isinstance(cache_salt, str):
-            salts = [cache_salt] * len(prompts)
-        else:
-            salts = list(cache_salt)
-            if len(salts) != len(prompts):
-                raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts")
+        salts = _per_prompt(cache_salt, str, len(prompts), "cache salts")
+        loras = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
         # Constraints compile here, before anything is queued (never inside step()).
         constraints = [getattr(p, "structured", None) for p in params]
         grammars = [c if c is None else self.engine.grammars.compile(c) for c in constraints]
         ids = []
         try:
-            for prompt, p, salt, g in zip(prompts, params, salts, grammars, strict=True):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, grammar=g))
+            for prompt, p, salt, g, lora in zip(prompts, params, salts, grammars, loras,
+                                                strict=True):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, grammar=g,
+                                                   lora=lora))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -79,3 +80,13 @@ class LLM:
     def chat(self, messages: list[dict[str, str]],
              sampling_params: SamplingParams | None = None) -> RequestOutput:
         return self.generate([self.engine.apply_chat_template(messages)], sampling_params)[0]
+
+
+def _per_prompt(value, kind: type, n: int, what: str) -> list:
+    """One value for every prompt, or a sequence with one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts")
+    return values

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 from baton import kernels
+from baton.kernels.lora import LoraBatch
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.cuda_graphs import CudaGraphRunner
+from baton.services.engine.lora_slots import LayerLora, LoraSlots
 from baton.services.engine.model_config import ModelConfig
 from baton.services.engine.models import model_class
 from baton.services.engine.outputs import SampledTokens
@@ -54,6 +56,13 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.model.prepack_weights()
         self.model.eval()
+        self.lora: LoraSlots | None = None
+        if config.enable_lora:
+            self.lora = LoraSlots(model_config, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras or 4 * config.max_loras, self.dtype,
+                                  self.device)
+            for i, layer in enumerate(self.model.layers):
+                layer.self_attn.lora = layer.mlp.lora = LayerLora(self.lora, i)
         # This engine's weights on the device (other engines in the process not counted).
         self.weight_bytes = torch.cuda.memory_allocated(self.device) - before if cuda else 0
         gen = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -143,8 +152,12 @@ class ModelRunner:
             else:
                 seqs.append((req, start, n))
         # Decodes first, sorted by length, so the attention kernel pads each group little.
-        decodes = sorted((e for e in seqs if e[2] == 1), key=lambda e: e[1])
-        seqs = decodes + [e for e in seqs if e[2] > 1]
+        # With LoRA, each adapter's decodes, and its prompt chunks, sit side by side (one
+        # slice each for its LoRA matmuls: kernels/lora.py).
+        decodes = sorted((e for e in seqs if e[2] == 1),
+                         key=lambda e: (e[0].lora_name or "", e[1]))
+        seqs = decodes + sorted((e for e in seqs if e[2] > 1),
+                                key=lambda e: e[0].lora_name or "")
         num_decodes = len(decodes)
         bs, dev = self.block_size, self.device
         ids: list[int] = []
@@ -195,8 +208,9 @@ class ModelRunner:
         # Rows to sample, sent before the forward pass so nothing waits for it.
         every_row = sample_rows == list(range(len(ids)))
         rows_t = None if every_row else to_device(sample_rows, torch.long, dev)
+        lora = self._lora_batch(seqs)
 
-        if (self.graphs is not None and num_decodes == len(seqs)
+        if (self.graphs is not None and num_decodes == len(seqs) and lora is None
                 and len(seqs) <= self.graphs.max_batch):
             hidden = self.graphs.run(input_ids, pos, slots, seq_lens_t, table)
         else:
@@ -217,6 +231,8 @@ class ModelRunner:
             )
             hidden = self.model(input_ids.to(dev, non_blocking=True),
                                 pos.to(dev, non_blocking=True), self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.batch = None
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden if every_row else hidden[rows_t])
@@ -235,6 +251,19 @@ class ModelRunner:
                      for j in range(len(drafts) + 1)]
         out = self.sampler(logits, rows)
         return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}
+
+    def _lora_batch(self, seqs: list[tuple[Request, int, int]]) -> LoraBatch | None:
+        """The step's adapters in their slots, and each token's slot (kernels/lora.py);
+        None without any (the captured CUDA graphs, which hold no LoRA, may then run)."""
+        if self.lora is None:
+            return None
+        self.lora.batch = None
+        if not any(req.lora_name for req, _, _ in seqs):
+            return None
+        slots = self.lora.prepare([req.lora_name for req, _, _ in seqs])
+        per_token = [s for s, (_, _, n) in zip(slots, seqs, strict=True) for _ in range(n)]
+        self.lora.batch = LoraBatch.of(per_token, self.device)
+        return self.lora.batch
 
 
 def _emitted(req: Request, first: int, out, dead: set[int]) -> SampledTokens:

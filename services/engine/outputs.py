@@ -85,6 +85,7 @@ class EngineStats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    loras: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
 
     @property
     def spec_acceptance_rate(self) -> float:

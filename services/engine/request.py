@@ -8,6 +8,7 @@ import time
 import torch
 
 from baton.kv_transfer.base import KVHandle
+from baton.services.common.block_hash import extra_keys
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams
 
@@ -41,7 +42,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 lora_name: str | None = None):
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -61,8 +63,13 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] = []
-        # Prefix cache: the salt keeps requests with different salts from sharing blocks.
-        self.cache_salt = cache_salt.encode() if cache_salt else b""
+        # The LoRA adapter it runs, as the engine binds it (loras.py: the adapter's name,
+        # or with new weights under that name, the name and their fingerprint); None: the
+        # base model.
+        self.lora_name = lora_name or None
+        # Prefix cache: requests with different salts, or different adapters, never share
+        # a block (block_hash.extra_keys).
+        self.hash_extra = extra_keys(cache_salt or "", lora_name or "")
         self.block_hashes: list[bytes] = []  # one per full block of token_ids, chained
         self.num_cached_tokens = -1  # prompt tokens found cached at first admission
         # Disaggregation: hold the KV after the first token (prefill role; `lease_id` once

@@ -86,7 +86,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs",
                  receiver: KVReceiver | None = None, lease_timeout_s: float = 30.0,
-                 load_failure_policy: str = "recompute"):
+                 load_failure_policy: str = "recompute", max_loras: int | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         if load_failure_policy not in ("recompute", "fail"):
@@ -103,6 +103,7 @@ class Scheduler:
         self.leases = LeaseTable(kv, lease_timeout_s)
         self.loader = RemoteKVLoader(kv, receiver) if receiver is not None else None
         self.load_failure_policy = load_failure_policy
+        self.max_loras = max_loras  # LoRA adapters in one step at most (None: no LoRA)
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
         self.num_prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
@@ -198,6 +199,8 @@ class Scheduler:
         pulls = 0
         while len(self.waiting) and len(self.running) + self.num_loading < self.max_num_seqs:
             req = self.waiting.peek()
+            if not self._lora_fits(req):
+                break  # FCFS: it waits for an adapter to leave; nothing passes it
             if req.remote is not None:
                 # Keep a block per running request, so a pull does not force the step
                 # that follows to preempt a running request that crosses a block boundary.
@@ -231,6 +234,17 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         return scheduled, pulls
+
+    def _lora_fits(self, req: Request) -> bool:
+        """A request's adapter may join: it runs already, or fewer than max_loras do
+        (every running request is in every step, so this bounds a step's adapters)."""
+        if req.lora_name is None:
+            return True
+        live = {r.lora_name for r in self.running}
+        if self.loader is not None:
+            live |= {r.lora_name for r in self.loader.loading.values()}
+        live.discard(None)
+        return req.lora_name in live or len(live) < (self.max_loras or 0)
 
     def _land_loads(self, out: SchedulerOutput) -> None:
         """Pulls that ended: run the request, or apply the load-failure policy."""

@@ -4,6 +4,7 @@
     ServiceError subclass        its `code` (below)
     AtCapacity                   RESOURCE_EXHAUSTED (capacity.py: the engine's full queues)
     IncompatibleLayout           FAILED_PRECONDITION (KV layouts differ)
+    NotFound (common/errors.py)  NOT_FOUND (a LoRA adapter not served)
     ValueError, TypeError        INVALID_ARGUMENT (bad input; the message names the field)
     anything else                INTERNAL (logged with its traceback)
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import grpc
 
 from baton.services.common.capacity import AtCapacity
+from baton.services.common.errors import NotFound
 
 
 class ServiceError(Exception):
@@ -62,6 +64,10 @@ class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class Missing(NotFound, ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL
 
@@ -69,7 +75,7 @@ class Internal(ServiceError):
 # A status code as it comes back from a downstream call, as the error to raise here.
 BY_CODE = {cls.code: cls for cls in (InvalidArgument, Overloaded, Unavailable,
                                      FailedPrecondition, Aborted, DeadlineExceeded,
-                                     Unauthenticated, Internal)}
+                                     Unauthenticated, Missing, Internal)}
 
 
 def retry_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.kv_transfer.base import IncompatibleLayout
 from baton.services.common.capacity import RETRY_AFTER_S, AtCapacity
+from baton.services.common.errors import NotFound
 from baton.services.rpc.config import DRAIN_GRACE_S
 from baton.services.rpc.errors import InvalidArgument, ServiceError, retry_metadata
 
@@ -88,6 +89,8 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, IncompatibleLayout):
         return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, NotFound):
+        return grpc.StatusCode.NOT_FOUND, str(e)
     if isinstance(e, (ValueError, TypeError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"

@@ -10,6 +10,7 @@ import asyncio
 from baton.kv_transfer.blocks import read_blocks
 from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
 from baton.services.rpc.server import Lifecycle
+from baton.services.worker import lora_calls
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.messages import layout_message, model_info_message
 from baton.v1 import worker_pb2 as wk
@@ -45,7 +46,17 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             num_generation_tokens=s.num_generation_tokens, num_spec_drafts=s.num_spec_drafts,
             num_spec_draft_tokens=s.num_spec_draft_tokens,
             num_spec_accepted_tokens=s.num_spec_accepted_tokens,
-            engine_stalled_since=self.aengine.stalled_since() or 0.0)
+            engine_stalled_since=self.aengine.stalled_since() or 0.0,
+            lora_adapters=s.loras)
+
+    async def LoadLora(self, request, context):
+        a = request.adapter
+        await lora_calls.load(self.aengine, a.name, a.path, a.version)
+        return wk.LoadLoraResponse()
+
+    async def UnloadLora(self, request, context):
+        return wk.UnloadLoraResponse(unloaded=await lora_calls.unload(self.aengine,
+                                                                      request.name))
 
     async def GetKvEvents(self, request, context):
         engine = self.aengine.engine

@@ -29,7 +29,7 @@ def _queue_ids(pool: BlockPool) -> list[int]:
 
 def _req(request_id: str = "r", computed: int = 0):
     return SimpleNamespace(request_id=request_id, num_computed_tokens=computed, token_ids=[],
-                           block_hashes=[], cache_salt=b"")
+                           block_hashes=[], hash_extra=b"")
 
 
 # ---- BlockPool / FreeBlockQueue ------------------------------------------------------

@@ -97,6 +97,14 @@ class Everything(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         self._saw("ReadKvBlocks", context)
         yield wk.ReadKvBlocksResponse()
 
+    async def LoadLora(self, request, context):
+        self._saw("LoadLora", context)
+        return wk.LoadLoraResponse()
+
+    async def UnloadLora(self, request, context):
+        self._saw("UnloadLora", context)
+        return wk.UnloadLoraResponse()
+
     async def GetKvEvents(self, request, context):
         self._saw("GetKvEvents", context)
         return wk.GetKvEventsResponse()
@@ -152,6 +160,8 @@ def test_the_router_and_the_decode_worker_send_the_token_on_every_call():
             await router.connect("elsewhere:1")
             await router.stats(timeout=5)
             await router.kv_events("e", 0, timeout=5)
+            await router.load_lora("x", "/x", 1, timeout=5)
+            await router.unload_lora("x", timeout=5)
             await peers.stub(address).Handshake(wk.HandshakeRequest(), timeout=5)
             peers.add("p", address)
             handle = SimpleNamespace(engine_id="p", request_id="r", lease_id=1)

@@ -2,6 +2,7 @@
 
     python -m baton.tools.bench.offline [--workload w1] [--dtype bfloat16] [--json]
     python -m baton.tools.bench.offline --workload w2     # prefix caching off, then on
+    python -m baton.tools.bench.offline --loras 0,1,4 --rank 16   # LoRA cost (lora.py)
 
 Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
 every request producing exactly its output length. HF runs static batches of 16,
@@ -10,6 +11,9 @@ generation (model loading excluded). With --json the last line is one JSON objec
 
 The machines are noisy on the scale of tens of seconds, so the two systems run in
 alternating rounds (Baton, HF, Baton, HF, ...) and each keeps its best round.
+Every run prints the CPU's matmul flags and the measured matmul roofline beside its
+figures, as the ratios depend on them (shared/BENCHMARKS.md). --requests N runs only the
+workload's first N requests (quick checks; quote figures of the full workload).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.tools.bench.machine import machine_line, trim
 from baton.tools.bench.workloads import Workload, make_workload
 
 
@@ -45,7 +50,11 @@ def run_prefix_caching(args) -> None:
     for enabled in (False, True):
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                   enable_prefix_caching=enabled)
-        wl = make_workload(args.workload, llm.engine.model_config.vocab_size)
+        wl = trim(make_workload(args.workload, llm.engine.model_config.vocab_size),
+                  args.requests)
+        if not enabled:
+            print(machine_line(llm.engine.model_config, getattr(torch, args.dtype)),
+                  flush=True)
         tok_s = run_baton(llm, wl)
         stats = llm.engine.prefix_cache_stats()
         results[enabled] = (tok_s, stats["hit_rate"])
@@ -112,17 +121,39 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; best is kept")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="run only the workload's first N requests (quick checks)")
+    ap.add_argument("--loras", default=None, metavar="COUNTS",
+                    help="LoRA cost instead of HF: requests round-robin over each count of "
+                         "random adapters in turn, e.g. 0,1,4 (tools/bench/lora.py)")
+    ap.add_argument("--rank", type=int, default=16, help="the --loras adapters' rank")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
 
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: expected at least 1")
+    if args.requests is not None and args.requests < 1:
+        ap.error(f"--requests {args.requests}: expected at least 1")
+    if args.rank < 1:
+        ap.error(f"--rank {args.rank}: expected at least 1")
+    if args.loras is not None:
+        from baton.tools.bench.lora import parse_counts, run_loras
+
+        try:
+            parse_counts(args.loras)
+        except ValueError as e:
+            ap.error(str(e))
+        run_loras(args)
+        return
     if args.workload.lower() == "w2":
         run_prefix_caching(args)
         return
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
-    wl = make_workload(args.workload, llm.engine.model_config.vocab_size)
+    wl = trim(make_workload(args.workload, llm.engine.model_config.vocab_size), args.requests)
     print(f"{wl.name}: {len(wl.prompts)} requests, {wl.output_len} output tokens each, "
           f"{args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    print(machine_line(llm.engine.model_config, getattr(torch, args.dtype)), flush=True)
     hf = build_hf_model(args.model, getattr(torch, args.dtype))
     baton = hf_tok_s = 0.0
     for r in range(args.rounds):

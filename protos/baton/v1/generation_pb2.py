@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x93\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"t\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x1d\n\x05tools\x18\x02 \x03(\x0b\x32\x0e.baton.v1.Tool\x12\x1c\n\x14\x63hat_template_kwargs\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"T\n\nToolChoice\x12(\n\x04mode\x18\x01 \x01(\x0e\x32\x18.baton.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x35\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12;\n\nlogit_bias\x18\x12 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokens\"\xb6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x1d\n\x15start_after_token_ids\x18\x06 \x03(\x05\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12)\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x14.baton.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"3\n\rTokenLogprobs\x12\"\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x11.baton.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x92\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x05 \x01(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xc6\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x13.baton.v1.ChatDelta\"d\n\tChatDelta\x12\x19\n\x11reasoning_content\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.baton.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xc0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x08 \x01(\t\x12\x19\n\x11served_model_name\x18\t \x01(\t\"9\n\x14GetModelInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\xb4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_CONSTRAINT\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xe3\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x93\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"t\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x1d\n\x05tools\x18\x02 \x03(\x0b\x32\x0e.baton.v1.Tool\x12\x1c\n\x14\x63hat_template_kwargs\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"T\n\nToolChoice\x12(\n\x04mode\x18\x01 \x01(\x0e\x32\x18.baton.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x35\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12;\n\nlogit_bias\x18\x12 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokens\"\xb6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x1d\n\x15start_after_token_ids\x18\x06 \x03(\x05\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12)\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x14.baton.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04lora\x18\n \x01(\tB\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"3\n\rTokenLogprobs\x12\"\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x11.baton.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x92\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x05 \x01(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xc6\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\xb2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.baton.v1.TokenDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.baton.v1.Timings\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x13.baton.v1.ChatDelta\"d\n\tChatDelta\x12\x19\n\x11reasoning_content\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.baton.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xc0\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x08 \x01(\t\x12\x19\n\x11served_model_name\x18\t \x01(\t\"P\n\x14GetModelInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.baton.v1.ModelInfo\x12\x15\n\rlora_adapters\x18\x02 \x03(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"\x19\n\x17LoadLoraAdapterResponse\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\xb4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_CONSTRAINT\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\x99\x03\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x1e.baton.v1.GetModelInfoResponse\x12V\n\x0fLoadLoraAdapter\x12 .baton.v1.LoadLoraAdapterRequest\x1a!.baton.v1.LoadLoraAdapterResponse\x12\\\n\x11UnloadLoraAdapter\x12\".baton.v1.UnloadLoraAdapterRequest\x1a#.baton.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TOOLCHOICEMODE']._serialized_start=3168
-  _globals['_TOOLCHOICEMODE']._serialized_end=3303
-  _globals['_FINISHREASON']._serialized_start=3306
-  _globals['_FINISHREASON']._serialized_end=3486
+  _globals['_TOOLCHOICEMODE']._serialized_start=3372
+  _globals['_TOOLCHOICEMODE']._serialized_end=3507
+  _globals['_FINISHREASON']._serialized_start=3510
+  _globals['_FINISHREASON']._serialized_end=3690
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=187
   _globals['_CHATMESSAGES']._serialized_start=189
@@ -58,33 +58,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=1517
   _globals['_CHOICES']._serialized_end=1543
   _globals['_GENERATEREQUEST']._serialized_start=1546
-  _globals['_GENERATEREQUEST']._serialized_end=1873
-  _globals['_LOGPROB']._serialized_start=1875
-  _globals['_LOGPROB']._serialized_end=1919
-  _globals['_TOKENLOGPROBS']._serialized_start=1921
-  _globals['_TOKENLOGPROBS']._serialized_end=1972
-  _globals['_USAGE']._serialized_start=1974
-  _globals['_USAGE']._serialized_end=2054
-  _globals['_TIMINGS']._serialized_start=2057
-  _globals['_TIMINGS']._serialized_end=2203
-  _globals['_TOKENDELTA']._serialized_start=2206
-  _globals['_TOKENDELTA']._serialized_end=2404
-  _globals['_GENERATERESPONSE']._serialized_start=2407
-  _globals['_GENERATERESPONSE']._serialized_end=2585
-  _globals['_CHATDELTA']._serialized_start=2587
-  _globals['_CHATDELTA']._serialized_end=2687
-  _globals['_TOOLCALLDELTA']._serialized_start=2689
-  _globals['_TOOLCALLDELTA']._serialized_end=2764
-  _globals['_TOKENIZEREQUEST']._serialized_start=2766
-  _globals['_TOKENIZEREQUEST']._serialized_end=2849
-  _globals['_TOKENIZERESPONSE']._serialized_start=2851
-  _globals['_TOKENIZERESPONSE']._serialized_end=2888
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2890
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2911
-  _globals['_MODELINFO']._serialized_start=2914
-  _globals['_MODELINFO']._serialized_end=3106
-  _globals['_GETMODELINFORESPONSE']._serialized_start=3108
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3165
-  _globals['_GENERATION']._serialized_start=3489
-  _globals['_GENERATION']._serialized_end=3716
+  _globals['_GENERATEREQUEST']._serialized_end=1887
+  _globals['_LOGPROB']._serialized_start=1889
+  _globals['_LOGPROB']._serialized_end=1933
+  _globals['_TOKENLOGPROBS']._serialized_start=1935
+  _globals['_TOKENLOGPROBS']._serialized_end=1986
+  _globals['_USAGE']._serialized_start=1988
+  _globals['_USAGE']._serialized_end=2068
+  _globals['_TIMINGS']._serialized_start=2071
+  _globals['_TIMINGS']._serialized_end=2217
+  _globals['_TOKENDELTA']._serialized_start=2220
+  _globals['_TOKENDELTA']._serialized_end=2418
+  _globals['_GENERATERESPONSE']._serialized_start=2421
+  _globals['_GENERATERESPONSE']._serialized_end=2599
+  _globals['_CHATDELTA']._serialized_start=2601
+  _globals['_CHATDELTA']._serialized_end=2701
+  _globals['_TOOLCALLDELTA']._serialized_start=2703
+  _globals['_TOOLCALLDELTA']._serialized_end=2778
+  _globals['_TOKENIZEREQUEST']._serialized_start=2780
+  _globals['_TOKENIZEREQUEST']._serialized_end=2863
+  _globals['_TOKENIZERESPONSE']._serialized_start=2865
+  _globals['_TOKENIZERESPONSE']._serialized_end=2902
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2904
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2925
+  _globals['_MODELINFO']._serialized_start=2928
+  _globals['_MODELINFO']._serialized_end=3120
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3122
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3202
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=3204
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=3266
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=3268
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=3293
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=3295
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=3340
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=3342
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=3369
+  _globals['_GENERATION']._serialized_start=3693
+  _globals['_GENERATION']._serialized_end=4102
 # @@protoc_insertion_point(module_scope)

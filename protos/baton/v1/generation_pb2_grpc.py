@@ -50,6 +50,16 @@ class GenerationStub:
                 request_serializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/baton.v1.Generation/LoadLoraAdapter',
+                request_serializer=baton_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/baton.v1.Generation/UnloadLoraAdapter',
+                request_serializer=baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -79,6 +89,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a LoRA adapter from now on: every worker reads and checks its PEFT directory.
+        INVALID_ARGUMENT, with the reason, if a worker cannot serve it (nothing loaded then);
+        FAILED_PRECONDITION if the router runs without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter: new requests naming it get NOT_FOUND; those running
+        finish with it. NOT_FOUND if it is not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +123,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +217,60 @@ class Generation:
             '/baton.v1.Generation/GetModelInfo',
             baton_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Generation/LoadLoraAdapter',
+            baton_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Generation/UnloadLoraAdapter',
+            baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
 class KvLayout(_message.Message):
     __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -44,18 +54,20 @@ class KvHandle(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("delta", "handle", "cached_tokens", "timings")
@@ -120,7 +132,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "priority", "cache_salt", "handle", "prefill_address", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "priority", "cache_salt", "handle", "prefill_address", "output_token_ids", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +142,7 @@ class DecodeRequest(_message.Message):
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -139,7 +152,8 @@ class DecodeRequest(_message.Message):
     handle: KvHandle
     prefill_address: str
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("delta", "cached_tokens", "timings")
@@ -170,7 +184,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired", "draining", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "engine_stalled_since")
+    __slots__ = ("engine_id", "role", "num_waiting", "num_running", "num_loading", "num_leases", "num_blocks", "num_free_blocks", "num_blocks_pulled", "num_blocks_local", "model_info", "layout", "num_load_failures", "num_leases_expired", "draining", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "engine_stalled_since", "lora_adapters")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +209,7 @@ class GetStatsResponse(_message.Message):
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STALLED_SINCE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_waiting: int
@@ -219,7 +234,30 @@ class GetStatsResponse(_message.Message):
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
     engine_stalled_since: float
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., engine_stalled_since: _Optional[float] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_blocks_local: _Optional[int] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_load_failures: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., engine_stalled_since: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "block_ids")

@@ -389,6 +389,16 @@ class WorkerServiceStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/baton.v1.WorkerService/LoadLora',
+                request_serializer=baton_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/baton.v1.WorkerService/UnloadLora',
+                request_serializer=baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -419,6 +429,21 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Reads, checks and holds a LoRA adapter; INVALID_ARGUMENT with the reason if it
+        cannot serve it, FAILED_PRECONDITION if the worker runs without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Stops taking requests for an adapter; those running finish with it. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -436,6 +461,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetKvEvents,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +556,60 @@ class WorkerService:
             '/baton.v1.WorkerService/GetKvEvents',
             baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WorkerService/LoadLora',
+            baton_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WorkerService/UnloadLora',
+            baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

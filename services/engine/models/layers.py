@@ -146,10 +146,13 @@ class Attention(nn.Module):
         self.features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                          if v is not None}
         self.packed: dict[str, torch.Tensor | None] = {}
+        self.lora = None  # LoRA's hook (services/engine/lora_slots.py), with adapters on
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.packed.get("qkv"), self.qkv_bias)
+        if self.lora is not None:
+            qkv = self.lora("qkv", x, qkv)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         heads = self.num_heads + self.num_kv_heads
         qk = qk.reshape(t, heads, self.head_dim)
@@ -163,8 +166,9 @@ class Attention(nn.Module):
         backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = backend.paged_attention(q, k, v, key_cache, value_cache, meta, self.scale,
                                     **self.features)
-        return linear(o.reshape(t, self.q_size), self.o_weight, self.packed.get("o"),
-                      self.o_bias)
+        o = o.reshape(t, self.q_size)
+        out = linear(o, self.o_weight, self.packed.get("o"), self.o_bias)
+        return out if self.lora is None else self.lora("o", o, out)
 
 
 class MLP(nn.Module):
@@ -179,12 +183,16 @@ class MLP(nn.Module):
         self.down_bias = param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
         self.packed: dict[str, torch.Tensor | None] = {}
+        self.lora = None  # LoRA's hook, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.packed.get("gate_up"), self.gate_up_bias)
+        if self.lora is not None:
+            gate_up = self.lora("gate_up", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down_weight, self.packed.get("down"),
-                      self.down_bias)
+        h = self.act(gate) * up
+        out = linear(h, self.down_weight, self.packed.get("down"), self.down_bias)
+        return out if self.lora is None else self.lora("down", h, out)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""Random PEFT LoRA adapters, made by peft itself (so the files are what users bring),
+and transformers + peft's greedy output with them applied, not merged: the reference of
+Baton's LoRA tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(model, folder: Path, rank: int, seed: int, targets=tuple(ALL),
+                 alpha: int | None = None, rslora: bool = False) -> Path:
+    """A rank-`rank` adapter of `model` (left untouched) with random A and B, B scaled so
+    the adapter moves the output distribution but keeps it a language model's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                        init_lora_weights=False, use_rslora=rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5 / rank)
+            elif "lora_A" in name:
+                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def peft_greedy(model, jobs: list[tuple[list[int], str | None]], adapters: dict[str, Path],
+                max_new: int) -> list[list[int]]:
+    """Greedy tokens of each (prompt, adapter name or None), through peft's PeftModel
+    over `model` with every adapter loaded; `model` is restored after."""
+    import torch
+    from peft import PeftModel
+
+    names = list(adapters)
+    peft_model = PeftModel.from_pretrained(model, str(adapters[names[0]]),
+                                           adapter_name=names[0])
+    try:
+        for name in names[1:]:
+            peft_model.load_adapter(str(adapters[name]), adapter_name=name)
+        outs = []
+        for prompt, name in jobs:
+            ids = torch.tensor([prompt])
+            kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                      min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            with torch.no_grad():
+                if name is None:
+                    with peft_model.disable_adapter():
+                        out = peft_model.generate(input_ids=ids, **kw)
+                else:
+                    peft_model.set_adapter(name)
+                    out = peft_model.generate(input_ids=ids, **kw)
+            outs.append(out[0, len(prompt):].tolist())
+        return outs
+    finally:
+        peft_model.unload()

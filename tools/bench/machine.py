@@ -1,0 +1,44 @@
+"""What every benchmark prints beside its figures: the CPU, its matmul flags and the
+roofline measured now (shared/BENCHMARKS.md: figures from different CPUs never compare),
+and a workload cut short for quick checks."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.tools.bench.workloads import Workload
+
+# The CPU flags the bf16 matmul speed (and so every ratio) hinges on.
+MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "avx2")
+
+
+def machine_line(mc, dtype: torch.dtype) -> str:
+    """The CPU, its matmul flags, and the best matmul GFLOP/s measured now at the model's
+    shapes: M = 64 (a decode batch) and M = 2048 (a prefill)."""
+    from baton.tools.bench.profile_step import roofline
+
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    has = [f for f in MATMUL_FLAGS if f in flags] or ["none of " + " ".join(MATMUL_FLAGS)]
+    dt = str(dtype).removeprefix("torch.")
+    return (f"cpu: {name}; flags {' '.join(has)}; {dt} matmul roofline "
+            f"{roofline(mc, dtype, 64):.0f} GFLOP/s at M=64, "
+            f"{roofline(mc, dtype, 2048):.0f} at M=2048")
+
+
+def trim(wl: Workload, requests: int | None) -> Workload:
+    """The workload's first `requests` requests (all when None)."""
+    if requests is None or requests >= len(wl.prompts):
+        return wl
+    return Workload(f"{wl.name} (first {requests} of {len(wl.prompts)})",
+                    wl.prompts[:requests], wl.output_len)
