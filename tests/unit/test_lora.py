@@ -14,7 +14,7 @@ from baton.services.common.capacity import AtCapacity
 from baton.services.common.errors import NotFound
 from baton.services.engine import SamplingParams
 from baton.services.engine.lora import LoRARequest
-from tests.lora_adapters import peft_greedy, save_adapter
+from tests.lora_adapters import peft_forced, peft_greedy, save_adapter
 from tests.unit.engine_helpers import kv_gib, run_steps
 
 MAX_NEW = 8
@@ -46,36 +46,6 @@ def run(engine, jobs) -> list:
     ids = [engine.add_request(p, GREEDY, lora=LoRARequest(n) if n else None) for p, n in jobs]
     per_req, _ = run_steps(engine)
     return [per_req[i][-1] for i in ids]
-
-
-def peft_forced(model, jobs, adapters: dict) -> list[list[int]]:
-    """For each (prompt, adapter name or None, tokens): transformers + peft's greedy choice
-    at each of the tokens' positions given the tokens before it, in one forward pass.
-    Equal to `tokens` exactly when peft's greedy decoding gives them (peft_greedy's
-    answer, without its token-by-token generation: 20x cheaper on the default model)."""
-    import torch
-    from peft import PeftModel
-
-    names = list(adapters)
-    peft_model = PeftModel.from_pretrained(model, str(adapters[names[0]]),
-                                           adapter_name=names[0])
-    try:
-        for name in names[1:]:
-            peft_model.load_adapter(str(adapters[name]), adapter_name=name)
-        outs = []
-        for prompt, name, tokens in jobs:
-            ids = torch.tensor([prompt + tokens[:-1]])
-            with torch.no_grad():
-                if name is None:
-                    with peft_model.disable_adapter():
-                        logits = peft_model(input_ids=ids).logits
-                else:
-                    peft_model.set_adapter(name)
-                    logits = peft_model(input_ids=ids).logits
-            outs.append(logits[0, len(prompt) - 1:].argmax(-1).tolist())
-        return outs
-    finally:
-        peft_model.unload()
 
 
 def check_parity(engine, model, adapters, prompts, forced: bool = False) -> None:
