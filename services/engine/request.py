@@ -67,6 +67,7 @@ class Request:
         # or with new weights under that name, the name and their fingerprint); None: the
         # base model.
         self.lora_name = lora_name or None
+        self.lora_blocked_since: float | None = None  # first refused for max_loras (scheduler)
         # Prefix cache: requests with different salts, or different adapters, never share
         # a block (block_hash.extra_keys).
         self.hash_extra = extra_keys(cache_salt or "", lora_name or "")

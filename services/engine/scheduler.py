@@ -51,6 +51,10 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)  # a failed pull under "fail"
 
 
+# How long requests that fit may pass one waiting for its adapter to get a place.
+LORA_PASS_S = 2.0
+
+
 class WaitingQueue:
     """A heap on Request.sort_key: arrival under FCFS, (priority, arrival) under priority."""
 
@@ -104,6 +108,7 @@ class Scheduler:
         self.loader = RemoteKVLoader(kv, receiver) if receiver is not None else None
         self.load_failure_policy = load_failure_policy
         self.max_loras = max_loras  # LoRA adapters in one step at most (None: no LoRA)
+        self.lora_pass_s = LORA_PASS_S
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps that ran a prompt chunk short of its end
         self.num_prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
@@ -197,42 +202,54 @@ class Scheduler:
         run and the number of pulls started."""
         scheduled: list[tuple[Request, int]] = []
         pulls = 0
-        while len(self.waiting) and len(self.running) + self.num_loading < self.max_num_seqs:
-            req = self.waiting.peek()
-            if not self._lora_fits(req):
-                break  # FCFS: it waits for an adapter to leave; nothing passes it
-            if req.remote is not None:
-                # Keep a block per running request, so a pull does not force the step
-                # that follows to preempt a running request that crosses a block boundary.
-                short = (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
-                         < len(self.running))
-                if (remote_only and short) or not self.loader.start(req):
+        passed: list[Request] = []  # set aside while others pass them
+        try:
+            while len(self.waiting) and len(self.running) + self.num_loading < self.max_num_seqs:
+                req = self.waiting.peek()
+                if not self._lora_fits(req):
+                    # It waits for an adapter to leave. Requests that fit pass it for
+                    # lora_pass_s; then none does, and the running adapters drain.
+                    now = time.monotonic()
+                    req.lora_blocked_since = req.lora_blocked_since or now
+                    if now - req.lora_blocked_since >= self.lora_pass_s:
+                        break
+                    passed.append(self.waiting.pop())
+                    continue
+                if req.remote is not None:
+                    # Keep a block per running request, so a pull does not force the step
+                    # that follows to preempt a running request that crosses a block boundary.
+                    short = (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
+                             < len(self.running))
+                    if (remote_only and short) or not self.loader.start(req):
+                        break
+                    self.waiting.pop()
+                    req.status = RequestStatus.WAITING_FOR_KV
+                    if req.scheduled_time is None:
+                        req.scheduled_time = time.monotonic()
+                    pulls += 1
+                    continue
+                if remote_only or budget <= 0:
                     break
-                self.waiting.pop()
-                req.status = RequestStatus.WAITING_FOR_KV
+                # Prefix-cache hits cost no budget: only the tokens after them are computed.
+                hits = self.kv.get_computed_blocks(req)
+                num_cached = len(hits) * self.kv.block_size
+                n = min(req.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(req, n, hits):
+                    break
+                req.num_computed_tokens = num_cached
+                if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
+                    req.num_cached_tokens = num_cached
+                    self.kv.record_lookup(req.num_tokens, num_cached)
                 if req.scheduled_time is None:
                     req.scheduled_time = time.monotonic()
-                pulls += 1
-                continue
-            if remote_only or budget <= 0:
-                break
-            # Prefix-cache hits cost no budget: only the tokens after them are computed.
-            hits = self.kv.get_computed_blocks(req)
-            num_cached = len(hits) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, hits):
-                break
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
-                req.num_cached_tokens = num_cached
-                self.kv.record_lookup(req.num_tokens, num_cached)
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            self.waiting.pop()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
-            budget -= n
+                self.waiting.pop()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+        finally:
+            for req in passed:
+                self.waiting.push(req)
         return scheduled, pulls
 
     def _lora_fits(self, req: Request) -> bool:

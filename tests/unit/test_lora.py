@@ -151,6 +151,27 @@ def test_at_most_max_loras_adapters_per_step(make_llm, qwen3, monkeypatch):
     assert set().union(*steps) == set(KINDS)
 
 
+def test_requests_that_fit_pass_one_waiting_for_its_adapter_for_a_while(make_llm, qwen3):
+    """max_loras 1, r4 running: a request of part must wait, and a base-model request
+    behind it runs meanwhile; once part has waited lora_pass_s, nothing passes it (the
+    running adapter drains, then part runs). Every output is still peft's."""
+    model, folder, adapters = qwen3
+    engine = make_engine(make_llm, folder, max_loras=1)
+    prompts = random_prompts((9, 12, 7, 10), 6, model.config.vocab_size)
+    jobs = list(zip(prompts, ["r4", "part", None, None], strict=True))
+    rids = [engine.add_request(p, GREEDY, lora=LoRARequest(n, lora_path=str(adapters[n]))
+                               if n else None) for p, n in jobs[:3]]
+    engine.step()
+    status = {r: engine.scheduler.requests[r].status.name for r in rids}
+    assert list(status.values()) == ["RUNNING", "WAITING", "RUNNING"]
+    engine.scheduler.lora_pass_s = 0.0  # part has now waited long enough
+    rids.append(engine.add_request(jobs[3][0], GREEDY))
+    engine.step()
+    assert engine.scheduler.requests[rids[3]].status.name == "WAITING", "it passed part"
+    per_req, _ = run_steps(engine)
+    want = peft_greedy(model, jobs, adapters, MAX_NEW)
+    assert [per_req[r][-1].token_ids for r in rids] == want
+
 def test_unload_with_requests_in_flight(qwen3, four, tmp_path):
     model, _, adapters = qwen3
     x = save_adapter(model, tmp_path / "x", 8, 7)
