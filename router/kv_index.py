@@ -29,6 +29,7 @@ class PromptBlocks:
 
     def __init__(self, token_ids: list[int], cache_salt: str = "", lora_name: str = ""):
         self.token_ids = token_ids
+        self.lora = lora_name  # the LoRA adapter it runs ("": the base model)
         self.extra = extra_keys(cache_salt, lora_name)
         self._hashes: dict[int, list[bytes]] = {}
 

@@ -3,6 +3,7 @@
 A worker's cost for a prompt, in tokens of work:
 
     cost = kv_weight * (prompt tokens it does not hold)  +  load_weight * load
+           (+ load_weight, for a LoRA adapter it does not serve yet: it reads it first)
 
 where "holds" is the leading blocks its prefix cache has (router/kv_index.py) and load
 is the registry's score ((waiting + loading + routed since the last poll) * 4 + running).
@@ -49,7 +50,9 @@ class Policy:
 
     def cost(self, worker, prompt: PromptBlocks | None) -> float:
         kv = self.kv_weight * self.uncached(worker, prompt) if self.kv_weight else 0.0
-        return kv + self.load_weight * worker.score
+        load = worker.score + (prompt is not None and bool(prompt.lora)
+                               and not _serves(worker, prompt.lora))
+        return kv + self.load_weight * load
 
     def local_prefill(self, worker, prompt: PromptBlocks) -> bool:
         """Whether decode worker `worker` should compute `prompt` itself. Confirmed
@@ -64,3 +67,8 @@ class Policy:
         if not self.local_prefill_hit or not bs or not prompt.reusable(bs):
             return False
         return held >= self.local_prefill_hit * prompt.reusable(bs)
+
+
+def _serves(worker, lora: str) -> bool:
+    """Whether the worker's last stats list the adapter among those it serves."""
+    return worker.stats is not None and lora in worker.stats.lora_adapters

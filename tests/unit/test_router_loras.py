@@ -121,3 +121,21 @@ def test_the_router_hashes_an_adapters_blocks_as_the_engine_does():
         kv.free(req)
     groups = list(hashes.values())
     assert all(not (g & h) for i, g in enumerate(groups) for h in groups[i + 1:])
+
+
+def test_a_worker_that_serves_the_adapter_costs_less_than_one_that_must_read_it():
+    from baton.router.policy import Policy
+    from baton.router.registry import Worker
+    from baton.v1 import worker_pb2 as wk
+
+    has, lacks = (Worker(a, "decode", None, state="up",
+                         stats=wk.GetStatsResponse(lora_adapters=held))
+                  for a, held in (("has", ["x"]), ("lacks", ["y"])))
+    policy = Policy(kv_weight=0.0)  # load alone: the adapter is all that differs
+    for_x, base = PromptBlocks([1, 2, 3], "", "x"), PromptBlocks([1, 2, 3])
+    assert policy.cost(has, for_x) < policy.cost(lacks, for_x)
+    assert policy.cost(has, base) == policy.cost(lacks, base)
+    lacks.stats.num_running = 2
+    assert policy.cost(lacks, for_x) > policy.cost(has, for_x)
+    has.stats.num_running = 4  # busier by more than a read costs: the other one wins
+    assert policy.cost(has, for_x) > policy.cost(lacks, for_x)
