@@ -95,7 +95,15 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
             "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as stream:
         next(stream.iter_lines())  # its first token has come
-        during = scrape()
+        # The gauges read the engine's stats snapshot, taken after each step: the first
+        # token can reach us before the step that made it has published it.
+        deadline = time.monotonic() + 5
+        while True:
+            during = scrape()
+            if figure(during, "vllm:num_requests_running") >= 1 \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
     assert figure(during, "vllm:num_requests_running") >= 1
     assert figure(during, "vllm:kv_cache_usage_perc") > 0
     time.sleep(0.5)  # the closed stream's request ends on the engine
