@@ -58,10 +58,6 @@ class ChatSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
-    @property
-    def auto_tools(self) -> bool:
-        return self.enable_auto_tool_choice and self.tool_call_parser is not None
-
 
 @dataclass
 class Chat:
@@ -197,7 +193,7 @@ def plan(request: gen.GenerateRequest, chat: Chat | None, prompt_ids: list[int],
     names = [t["function"]["name"] for t in chat.tools] if chat is not None else []
     if mode != "none" and not names:
         raise InvalidArgument("tool_choice: the request has no tools (chat.tools)")
-    if mode == "auto" and not settings.auto_tools:
+    if mode == "auto" and not settings.enable_auto_tool_choice:  # (it needs a parser)
         raise InvalidArgument('tool_choice: "auto" needs the router to run with '
                               "--enable-auto-tool-choice and --tool-call-parser")
     constraint = None
@@ -207,7 +203,7 @@ def plan(request: gen.GenerateRequest, chat: Chat | None, prompt_ids: list[int],
                                   "constraint of its own; drop the structured output")
         constraint = _tool_constraint(request, chat.tools, mode)
     reasoning = settings.reasoning_parser if chat is not None else None
-    end_ids = marker_ids(REASONING_PARSERS[reasoning]().end_marker) if reasoning else []
+    end_ids = marker_ids(REASONING_PARSERS[reasoning].end_marker) if reasoning else []
     if reasoning and _closed(prompt_ids, end_ids):
         reasoning = None  # the template closed the thinking itself (enable_thinking off)
     if constraint is not None or (reasoning and request.sampling.HasField(

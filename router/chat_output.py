@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import json
 
+from baton.services.common.json_stream import WS
 from baton.services.common.tool_parsers import ToolCallDelta, tool_call_id
 from baton.v1 import generation_pb2 as gen
-
-WS = " \t\r\n"
 
 
 class ChatOutput:
@@ -110,7 +109,7 @@ class RequiredCalls:
         out: list[ToolCallDelta] = []
         for c in text:
             self._char(c, out)
-        return "", merged(out)
+        return "", out  # merged once, by ChatOutput
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         return "", []  # an item cut short before its name is no call

@@ -8,10 +8,12 @@ import contextlib
 import copy
 from pathlib import Path
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from baton.services.engine.lora import TARGETS
+
+ALL = tuple(TARGETS)  # every projection an adapter may target
 
 
-def save_adapter(model, folder: Path, rank: int, seed: int, targets=tuple(ALL),
+def save_adapter(model, folder: Path, rank: int, seed: int, targets=ALL,
                  alpha: int | None = None, rslora: bool = False) -> Path:
     """A rank-`rank` adapter of `model` (left untouched) with random A and B, B scaled so
     the adapter moves the output distribution but keeps it a language model's."""

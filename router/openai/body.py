@@ -56,14 +56,24 @@ def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits
     if not isinstance(data, dict):
         raise InvalidArgument("body: must be a JSON object")
     check_counts(data, limits)
+    if isinstance(data.get("tokens"), list):  # /detokenize's
+        limits.check("max_prompt_token_ids", len(data["tokens"]), "tokens")
     try:
         body = kind.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(x) for x in first.get("loc", ())) or "body"
         raise InvalidArgument(f"{param}: {first.get('msg')}") from None
-    limits.check("max_n", body.n, "n")  # again: pydantic may have read "200" as 200
+    if hasattr(body, "n"):  # again: pydantic may have read "200" as 200
+        limits.check("max_n", body.n, "n")
     return body
+
+
+async def read_body(intake, request, kind: type[BaseModel]) -> BaseModel:
+    """A route's body as `kind` (parse_body), its chunks parsed on the intake's parse
+    threads, never on the event loop."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return await intake.parse(parse_body, chunks, kind, intake.limits)
 
 
 def budgets(limits: Limits) -> tuple[int, int]:

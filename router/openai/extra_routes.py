@@ -28,9 +28,9 @@ import uuid
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from baton.router.openai.body import check_counts, load_json
+from baton.router.openai.body import read_body
 from baton.router.openai.chat_fields import Tool
 from baton.router.openai.lora_routes import lora_of_model, not_found
 from baton.router.openai.protocol import ChatMessage, chat_of
@@ -144,23 +144,6 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-def parse(raw: list[bytes], kind: type[BaseModel], limits: Limits) -> BaseModel:
-    """The body as `kind`, counted before it is built (body.py), or a ValueError naming
-    the field."""
-    data = load_json(b"".join(raw), limits)
-    if not isinstance(data, dict):
-        raise InvalidArgument("body: must be a JSON object")
-    check_counts(data, limits)
-    if isinstance(data.get("tokens"), list):
-        limits.check("max_prompt_token_ids", len(data["tokens"]), "tokens")
-    try:
-        return kind.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise InvalidArgument(f"{param}: {first.get('msg')}") from None
-
-
 def install(app: FastAPI, router, api_error_class: type[Exception], api_error) -> None:
     """The routes, and the request ids around everything (call after every other
     middleware is added). `api_error(e, chat)` turns an exception into the app's error
@@ -172,8 +155,7 @@ def install(app: FastAPI, router, api_error_class: type[Exception], api_error) -
         return e if isinstance(e, api_error_class) else api_error(e, chat)
 
     async def body_of(request: Request, kind: type[BaseModel]):
-        chunks = [chunk async for chunk in request.stream() if chunk]
-        body = await intake.parse(parse, chunks, kind, intake.limits)
+        body = await read_body(intake, request, kind)
         if body.model is not None and lora_of_model(router, body.model) is None:
             raise api_error_class(*not_found(body.model))  # (adapters share the tokenizer)
         return body

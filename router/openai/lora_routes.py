@@ -12,17 +12,13 @@ caller could swap another's adapter.
 
 from __future__ import annotations
 
-import json
-
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
+from baton.router.openai.body import read_body
 from baton.router.openai.render import error_body
-from baton.services.rpc.errors import InvalidArgument
-
-MAX_BODY_BYTES = 64 * 1024
 
 
 class LoadBody(BaseModel):
@@ -65,19 +61,7 @@ def install(app: FastAPI, router, api_error) -> None:
     """The two routes; `api_error(e)` gives an exception the app's error shape."""
 
     async def body_of(request: Request, kind: type[BaseModel]):
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise InvalidArgument(f"body: over {MAX_BODY_BYTES} bytes")
-        try:
-            return kind.model_validate(json.loads(raw or b"null"))
-        except ValueError as e:  # JSON or pydantic (ValidationError is a ValueError)
-            if isinstance(e, ValidationError):
-                first = e.errors()[0]
-                where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-                raise InvalidArgument(f"{where}: {first.get('msg')}") from None
-            raise InvalidArgument(f"body: not JSON ({e})") from None
+        return await read_body(router.intake, request, kind)
 
     @app.post("/v1/load_lora_adapter")
     async def load(request: Request):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from baton.services.common.json_stream import WS, JsonError
 
+MAX_NAME = 256  # characters in a function or parameter name
+
 
 def tool_call_id() -> str:
     """A new call id, OpenAI's shape: "call_" and 24 random hex digits."""
@@ -186,7 +188,7 @@ class ToolParser:
         self._body: Body | None = None
         self._tag = ""         # the open region's tag, and the whitespace dropped before it
         self._before = ""
-        self._raw = ""         # the open region's text
+        self._raw: list[str] = []  # the open region's text, in pieces (joined at its end)
         self._sent: list[int] = []   # the open region's sent calls: argument characters sent
         self._index: list[int] = []  # and their indices in the response
         self._count = 0
@@ -222,7 +224,7 @@ class ToolParser:
                 if self._body is None:
                     break
             text, self._pending = self._pending, ""
-            self._raw += text
+            self._raw.append(text)
             status = self._body.feed(text) if text else None
             if status is None and final:
                 status = self._body.finish()
@@ -274,7 +276,7 @@ class ToolParser:
 
     def _open(self, tag: str, before: str, rest: str) -> None:
         self._body = self._new_body(tag)
-        self._tag, self._before, self._raw, self._pending = tag, before, "", rest
+        self._tag, self._before, self._raw, self._pending = tag, before, [], rest
         self._sent, self._index = [], []
 
     def _send(self, deltas: list[ToolCallDelta], complete_only: bool) -> None:
@@ -299,26 +301,27 @@ class ToolParser:
                deltas: list[ToolCallDelta]) -> None:
         kind, at = status
         body, self._body = self._body, None
+        raw = "".join(self._raw)
         if isinstance(body, _Skip):
-            self._pending = self._raw[at:] + self._pending
+            self._pending = raw[at:] + self._pending
             self._after = True
             return
         complete = sum(1 for c in body.calls if c.complete)
         if kind == "end" and body.calls:
-            rest = self._raw[at:]
+            rest = raw[at:]
         elif kind == "bad" and len(self._sent) > complete:
             # A call already sent broke: it stops where it is, and the rest of its region
             # (to the format's end tag, else to the end of the output) is dropped.
-            self._pending = self._raw[at:] + self._pending
-            self._body, self._raw = _Skip(self.end_tag), ""
+            self._pending = raw[at:] + self._pending
+            self._body, self._raw = _Skip(self.end_tag), []
             return
         elif complete:  # the region ends after its last complete call
             body.calls = body.calls[:complete]
-            rest = self._raw[body.checkpoint:]
+            rest = raw[body.checkpoint:]
         else:  # no call here: the tag is content and the text after it is read again
             out.append(self._ws + self._before + self._tag)
             self._ws = ""
-            self._pending = self._raw + self._pending
+            self._pending = raw + self._pending
             self._after = False
             return
         self._body = body

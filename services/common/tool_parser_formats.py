@@ -20,9 +20,7 @@ import json
 import re
 
 from baton.services.common.json_stream import WS, JsonError, JsonStream, compact
-from baton.services.common.tool_parser_base import Bad, Body, Call, ToolParser
-
-MAX_NAME = 256  # characters in a function or parameter name
+from baton.services.common.tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
 
 
 class Envelope(Call):
@@ -41,7 +39,6 @@ class Envelope(Call):
         self._key = ""
         self._value: JsonStream | None = None
         self._args: JsonStream | None = None
-        self.done = False
 
     def feed(self, text: str, i: int) -> int | None:
         n = len(text)
@@ -114,7 +111,6 @@ class Envelope(Call):
             raise JsonError(i, "a call without a name")
         if not self._seen & set(self._args_keys):
             self.args = "{}"
-        self.done = True
         self._sync()
         return i + 1
 

@@ -21,11 +21,8 @@ import json
 import math
 import re
 
-from baton.services.common.json_stream import NUMBER, WS, dump, escape
-from baton.services.common.tool_parser_base import Bad, Body, Call, ToolParser
-
-MAX_NAME = 256  # characters in a function or parameter name
-
+from baton.services.common.json_stream import MAX_SCALAR, NUMBER, WS, dump, escape
+from baton.services.common.tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
 
 _FUNC, _PARAM = "<function=", "<parameter="
 _PARAM_END, _FUNC_END, _CALL_END = "</parameter>", "</function>", "</tool_call>"
@@ -56,9 +53,9 @@ def _convert(text: str, kinds: tuple[str, ...]):
             return None
         if kind == "boolean" and s.lower() in ("true", "false"):
             return s.lower() == "true"
-        if kind == "integer" and _INTEGER.fullmatch(s) and len(s) < 4000:
+        if kind == "integer" and _INTEGER.fullmatch(s) and len(s) < MAX_SCALAR:
             return int(s)
-        if kind == "number" and NUMBER.fullmatch(s) and len(s) < 4000:
+        if kind == "number" and NUMBER.fullmatch(s) and len(s) < MAX_SCALAR:
             value = json.loads(s)
             if isinstance(value, int) or math.isfinite(value):
                 return value

@@ -241,13 +241,11 @@ class ModelRunner:
         for req, _ in samplers:
             drafts = req.spec_token_ids
             outs = req.output_token_ids
-            # Under min_tokens, EOS and the stop ids are banned (per row: a draft's row
-            # counts the drafts before it).
-            stops = (req.eos_ids | req.stop_ids if len(outs) < req.params.min_tokens
-                     else frozenset())
+            # Under min_tokens, EOS and the stop ids are banned (the sampler counts each
+            # row's outputs: a draft's row counts the drafts before it).
             rows += [SamplingRow(req.params, req.generator, req.prompt_token_ids,
                                  outs + drafts[:j], drafts[j] if j < len(drafts) else None,
-                                 stops, req.bad_words_ids)
+                                 req.min_tokens_ban, req.bad_words_ids)
                      for j in range(len(drafts) + 1)]
         out = self.sampler(logits, rows)
         return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}

@@ -56,6 +56,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_ids = frozenset(params.stop_token_ids)
         self.eos_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.min_tokens_ban = self.eos_ids | self.stop_ids  # banned under min_tokens
         # bad_words as token id sequences (the engine tokenizes them): the last id of each
         # is banned where the output ends with the others.
         self.bad_words_ids: tuple[tuple[int, ...], ...] = ()

@@ -203,10 +203,11 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         pulls = 0
         passed: list[Request] = []  # set aside while others pass them
+        live = self._live_loras()  # the adapters of running and loading requests
         try:
             while len(self.waiting) and len(self.running) + self.num_loading < self.max_num_seqs:
                 req = self.waiting.peek()
-                if not self._lora_fits(req):
+                if not self._lora_fits(req, live):
                     # It waits for an adapter to leave. Requests that fit pass it for
                     # lora_pass_s; then none does, and the running adapters drain.
                     now = time.monotonic()
@@ -227,6 +228,7 @@ class Scheduler:
                     if req.scheduled_time is None:
                         req.scheduled_time = time.monotonic()
                     pulls += 1
+                    live.add(req.lora_name)
                     continue
                 if remote_only or budget <= 0:
                     break
@@ -245,6 +247,7 @@ class Scheduler:
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                live.add(req.lora_name)
                 scheduled.append((req, n))
                 budget -= n
         finally:
@@ -252,16 +255,19 @@ class Scheduler:
                 self.waiting.push(req)
         return scheduled, pulls
 
-    def _lora_fits(self, req: Request) -> bool:
+    def _live_loras(self) -> set[str]:
+        """The adapters of the running requests and of those whose KV is arriving."""
+        loading = self.loader.loading.values() if self.loader is not None else ()
+        return {r.lora_name for r in (*self.running, *loading) if r.lora_name is not None}
+
+    def _lora_fits(self, req: Request, live: set[str | None]) -> bool:
         """A request's adapter may join: it runs already, or fewer than max_loras do
-        (every running request is in every step, so this bounds a step's adapters)."""
+        (every running request is in every step, so this bounds a step's adapters).
+        `live`: _live_loras, kept up to date by the admissions of this step."""
         if req.lora_name is None:
             return True
-        live = {r.lora_name for r in self.running}
-        if self.loader is not None:
-            live |= {r.lora_name for r in self.loader.loading.values()}
-        live.discard(None)
-        return req.lora_name in live or len(live) < (self.max_loras or 0)
+        n = len(live) - (None in live)
+        return req.lora_name in live or n < (self.max_loras or 0)
 
     def _land_loads(self, out: SchedulerOutput) -> None:
         """Pulls that ended: run the request, or apply the load-failure policy."""
@@ -346,8 +352,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         # Under min_tokens the sampler masks these ids; one that comes anyway (a
         # constraint that allowed nothing else) does not end the output either.
-        if ((token in req.stop_ids or token in req.eos_ids)
-                and req.num_output_tokens > req.params.min_tokens):
+        if token in req.min_tokens_ban and req.num_output_tokens > req.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

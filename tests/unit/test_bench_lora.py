@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from baton.services.engine.lora import load_adapter, projection_shapes
+from baton.services.engine.lora import TARGETS, load_adapter, projection_shapes
 from baton.services.engine.model_config import ModelConfig
-from baton.tools.bench.lora import MODULES, parse_counts, write_adapter
+from baton.tools.bench.lora import parse_counts, write_adapter
 
 # Grouped-query attention, so q, k and v have different output sizes.
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
@@ -22,7 +22,7 @@ def test_written_adapter_loads_with_every_projection(tmp_path):
     adapter = load_adapter("a", path, CONFIG, max_rank=4, dtype=torch.float32)
     assert adapter.rank == 4
     shapes = projection_shapes(CONFIG)
-    expected = {(layer, proj, part) for layer in range(2) for _, proj, part in MODULES.values()}
+    expected = {(layer, proj, part) for layer in range(2) for proj, part in TARGETS.values()}
     assert set(adapter.weights) == expected
     for (_, proj, part), (a, b) in adapter.weights.items():
         in_size, outs = shapes[proj]

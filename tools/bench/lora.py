@@ -23,16 +23,10 @@ import time
 import torch
 
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.lora import LoRARequest, projection_shapes
+from baton.services.engine.lora import TARGETS, LoRARequest, projection_shapes
 from baton.services.engine.model_config import ModelConfig
 from baton.tools.bench.machine import machine_line, trim
 from baton.tools.bench.workloads import Workload, make_workload
-
-# HF module -> (its layer's block, our fused projection, which part of it).
-MODULES = {"q_proj": ("self_attn", "qkv", 0), "k_proj": ("self_attn", "qkv", 1),
-           "v_proj": ("self_attn", "qkv", 2), "o_proj": ("self_attn", "o", 0),
-           "gate_proj": ("mlp", "gate_up", 0), "up_proj": ("mlp", "gate_up", 1),
-           "down_proj": ("mlp", "down", 0)}
 
 
 def parse_counts(text: str) -> list[int]:
@@ -55,8 +49,9 @@ def write_adapter(folder: str, mc: ModelConfig, rank: int, seed: int) -> str:
     shapes = projection_shapes(mc)
     tensors = {}
     for layer in range(mc.num_layers):
-        for module, (block, proj, part) in MODULES.items():
+        for module, (proj, part) in TARGETS.items():
             in_size, outs = shapes[proj]
+            block = "self_attn" if proj in ("qkv", "o") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{key}.lora_A.weight"] = \
                 torch.randn(rank, in_size, generator=gen) / math.sqrt(in_size)
@@ -65,7 +60,7 @@ def write_adapter(folder: str, mc: ModelConfig, rank: int, seed: int) -> str:
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-              "target_modules": sorted(MODULES), "task_type": "CAUSAL_LM"}
+              "target_modules": sorted(TARGETS), "task_type": "CAUSAL_LM"}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return folder
@@ -114,7 +109,7 @@ def run_loras(args) -> None:
     wl = trim(make_workload(args.workload, mc.vocab_size), args.requests)
     print(f"{wl.name}: {len(wl.prompts)} requests, {wl.output_len} output tokens each, "
           f"{args.dtype}, {torch.get_num_threads()} threads; LoRA rank {args.rank} on all "
-          f"{len(MODULES)} projections, requests round-robin over {args.loras} adapters",
+          f"{len(TARGETS)} projections, requests round-robin over {args.loras} adapters",
           flush=True)
     print(machine_line(mc, getattr(torch, args.dtype)), flush=True)
     best = dict.fromkeys(counts, 0.0)
