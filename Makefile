@@ -6,21 +6,35 @@ STAMP   := $(VENV)/.installed
 # The GGUF and the tokenizer saved beside it (the torch-free router reads that).
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
-.PHONY: install model test test-fast lint protos protos-check serve bench vllm bench-vllm clean
+.PHONY: install model test test-fast test-latest lock lint protos protos-check serve bench \
+	vllm bench-vllm clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) $(PROTOS)
 
-# torch goes first, pinned to the CPU wheel; the rest must not replace it. No bytecode is
-# compiled at install (half the install's time): a module is compiled when first imported.
-# The CPU decode kernel (it needs only torch) builds while pip installs the rest.
-PIP := $(BIN)/pip install -q --no-compile
-$(STAMP): pyproject.toml
+# Everything installs from the lock (requirements/*.txt: every package pinned and hashed,
+# for CPython 3.11 on x86-64 Linux; `make lock` writes them). torch goes first, alone: the
+# CPU build, from a wheel folder pip is configured with (find-links) when it holds the
+# locked file, else from PyTorch's CPU index; the rest of the lock then finds it installed.
+# Baton itself last, with no dependencies and no build isolation (its setuptools is
+# locked too). No bytecode is compiled at install (half its time): a module is compiled
+# when first imported. The CPU decode kernel builds while Baton installs (`-P`: a script's
+# folder is not put on sys.path, so kernels/*.py cannot shadow a module of the same name).
+LOCK        := requirements
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_FLAGS   := -q --no-compile --no-deps
+PIP         := $(BIN)/pip install $(PIP_FLAGS) --require-hashes
+$(STAMP): pyproject.toml $(LOCK)/dev.txt $(LOCK)/torch-cpu.txt
+	@$(PY) -c 'import sys; v = sys.version_info[:2]; sys.exit(None if v == (3, 11) else \
+		f"the lock is for Python 3.11 and $(PY) is {v[0]}.{v[1]}: make PY=python3.11 ...")'
+	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(PIP) torch==2.13.0
-	$(BIN)/python kernels/cpu_decode.py & kernel=$$!; \
-	$(PIP) -e '.[engine,nixl,http,test]' && wait $$kernel
+	$(PIP) --no-index -r $(LOCK)/torch-cpu.txt 2>/dev/null \
+		|| $(PIP) --index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
+	$(PIP) -r $(LOCK)/dev.txt
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -P kernels/cpu_decode.py & kernel=$$!; \
+	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e . && wait $$kernel
+	$(BIN)/pip check
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,6 +55,28 @@ test: $(STAMP) $(MODEL) protos-check
 # Everything but the services as processes and the slowest model runs (under 3 minutes).
 test-fast: $(STAMP) $(MODEL)
 	$(PYTEST) -m "not e2e and not slow"
+
+# Rewrite the lock files from pyproject.toml (uv, from the venv; scripts/lock.py says how
+# the CPU torch is found). Commit them with the change that needed them.
+lock: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/lock.py
+
+# The newest versions pyproject.toml allows, torch held at the locked CPU build, in a
+# throwaway venv, then `make test-fast` there: a release that breaks Baton shows up here,
+# as a report, before anyone locks it. Not part of CI.
+LATEST := .cache/venv-latest
+test-latest: $(STAMP) $(MODEL)
+	rm -rf $(LATEST) && $(PY) -m venv $(LATEST)
+	$(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes --no-index -r $(LOCK)/torch-cpu.txt \
+		2>/dev/null || $(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes \
+		--index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
+	echo "torch==$$($(LATEST)/bin/python -c 'import torch; print(torch.__version__)')" \
+		> $(LATEST)/torch-held.txt
+	$(LATEST)/bin/pip install -q --no-compile -c $(LATEST)/torch-held.txt \
+		-e '.[engine,nixl,http,test,dev]'
+	$(LATEST)/bin/pip list --format=freeze > $(LATEST)/versions.txt
+	touch $(LATEST)/.installed
+	$(MAKE) test-fast VENV=$(LATEST)
 
 # Regenerate the committed stubs after editing a .proto.
 protos: $(STAMP)

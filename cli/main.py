@@ -87,7 +87,7 @@ def _serve(args, flags: list[Flag]) -> None:
             # (its pairs, its peers' NIXL metadata and its lease ids start anew).
             worker["engine_id"] = f"{worker.get('engine_id') or role}-{uuid.uuid4().hex[:8]}"
             if role != "colocated" and not worker.get("kv_transport"):
-                from baton.kv_transfer import default_transport
+                from baton.kv_transfer.connectors import default_transport
 
                 worker["kv_transport"] = default_transport()
             config = WorkerConfig(engine=engine, service=service, **worker)

@@ -25,8 +25,8 @@ from functools import partial
 import grpc
 
 from baton.decode_worker.peers import Peers
-from baton.kv_transfer import make_receiver
 from baton.kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
+from baton.kv_transfer.connectors import make_receiver
 from baton.kv_transfer.faults import FailingReceiver
 from baton.kv_transfer.lease_check import LeaseCheckedReceiver
 from baton.services.engine.engine import LLMEngine

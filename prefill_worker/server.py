@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from baton.kv_transfer import make_sender
+from baton.kv_transfer.connectors import make_sender
 from baton.services.common.finish import FinishReason
 from baton.services.engine.engine import LLMEngine
 from baton.services.rpc import tracing

@@ -97,7 +97,7 @@ async def resolve(target: Target, timeout: float = 2.0) -> list[str]:
             if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5)):
                 return []
             raise OSError(f"resolving {target.host}: {e}") from None
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise OSError(f"resolving {target.host}: timed out") from None
         return _one_family({info[4][0] for info in infos}, target.port)
     resolver = dns.asyncresolver.Resolver(configure=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from baton import kernels
+import baton.kernels.backend as kernels
 from baton.kernels import reference
 from baton.services.common.default_model import default_model_path
 from baton.services.engine import LLM, SamplingParams

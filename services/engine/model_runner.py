@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import torch
 
-from baton import kernels
+import baton.kernels.backend as kernels
 from baton.kernels.lora import LoraBatch
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from baton.services.common.sampling_params import SamplingParams

@@ -26,7 +26,7 @@ class CA:
     def __init__(self, folder: Path, name: str):
         self.folder, self.name = folder, name
         self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
                      .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
                      .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -40,7 +40,7 @@ class CA:
         """(certificate, key) files for `cn`, valid for 127.0.0.1 and localhost (or, given
         `dns_names`, for those names only)."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         san = x509.SubjectAlternativeName(
             [x509.DNSName(n) for n in dns_names] if dns_names is not None else
             [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from baton import kernels
+import baton.kernels.backend as kernels
 from baton.kernels import reference, torch_attn
 from tests.kernel_batch import make_batch as _make_batch
 
@@ -107,7 +107,7 @@ def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch)
     with pytest.raises(ValueError, match="block_size a multiple of 256"):
         kernels.select_backend(CUDA, "flash-attn", block_size=16)
     monkeypatch.setitem(sys.modules, "baton.kernels.triton_attn", None)  # no Triton either
-    monkeypatch.delattr(kernels, "triton_attn")
+    monkeypatch.delattr(sys.modules["baton.kernels"], "triton_attn", raising=False)
     assert kernels.select_backend(CUDA, block_size=16) is torch_attn
 
 

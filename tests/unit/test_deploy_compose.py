@@ -135,18 +135,54 @@ def _chain(stages, name: str) -> list[tuple[str, str]]:
     return (_chain(stages, parent) if parent in stages else []) + ops
 
 
-def test_router_image_installs_no_torch_and_worker_image_does():
+def _pip_installs(stages, image: str) -> list[list[str]]:
+    """The arguments of every `pip install` the image runs, build args filled in."""
+    args = {}
+    for op, a in _chain(stages, image):
+        if op == "ARG" and "=" in a:
+            name, _, value = a.partition("=")
+            args[name.strip()] = value.strip()
+    installs = []
+    for op, a in _chain(stages, image):
+        for command in a.split("&&") if op == "RUN" else []:
+            words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), command))
+            if words[:2] == ["pip", "install"]:
+                installs.append(words[2:])
+    return installs
+
+
+def _lock_read(words: list[str]) -> Path | None:
+    """The lock file an install reads, if it is an install of a whole lock, hashed."""
+    if "--no-deps" not in words or "--require-hashes" not in words or "-r" not in words:
+        return None
+    return Path(words[words.index("-r") + 1].removeprefix("/tmp/"))
+
+
+def test_every_install_line_of_both_images_reads_the_lock():
+    # Each image installs one whole lock (pinned, hashed, no dependency resolved at build
+    # time) and then Baton itself, with no dependencies and the lock's setuptools.
     stages = _stages()
     assert list(stages)[-1] == "worker"  # the default target
-    router_runs = [a for op, a in _chain(stages, "router") if op == "RUN"]
-    extras = {e.strip() for r in router_runs for group in re.findall(r"\.\[([^\]]*)\]", r)
-              for e in group.split(",")}
-    assert "http" in extras and not extras & {"engine", "nixl"}, extras
-    assert not any("torch" in r for r in router_runs)
-    worker_runs = [a for op, a in _chain(stages, "worker") if op == "RUN"]
-    torch_at = next(i for i, r in enumerate(worker_runs) if re.search(r"install torch", r))
-    engine_at = next(i for i, r in enumerate(worker_runs) if re.search(r"\.\[engine", r))
-    assert torch_at < engine_at and "TORCH_INDEX" in worker_runs[torch_at]
+    locks = {}
+    for image in ("router", "worker"):
+        installs = _pip_installs(stages, image)
+        assert installs, image
+        read = [_lock_read(w) for w in installs]
+        baton = [w for w in installs if w[-1] == "." and {"--no-deps", "--no-build-isolation"}
+                 <= set(w) and "-r" not in w]
+        assert len(baton) == 1 and installs[-1] == baton[0], installs
+        assert all(r is not None for r in read[:-1]), installs
+        locks[image] = read[:-1]
+    assert locks == {"router": [Path("requirements/router.txt")],
+                     "worker": [Path("requirements/worker.txt")]}
+    router = (ROOT / "requirements/router.txt").read_text()
+    worker = (ROOT / "requirements/worker.txt").read_text()
+    assert not re.search(r"^(torch|triton|nvidia-|nixl)", router, re.M)
+    assert re.search(r"^torch==[\d.]+\+cpu ", worker, re.M)  # PyTorch's CPU build
+    # ... found on PyTorch's CPU index, the worker's extra index by default
+    worker_install = _pip_installs(stages, "worker")[0]
+    assert worker_install[worker_install.index("--extra-index-url") + 1] == \
+        "https://download.pytorch.org/whl/cpu"
     for image in ("router", "worker"):
         users = [a for op, a in _chain(stages, image) if op == "USER"]
         assert users and users[-1] not in ("root", "0")
@@ -154,6 +190,14 @@ def test_router_image_installs_no_torch_and_worker_image_does():
     tokenizer = tokenizer_dir(Path("/opt/baton/cache/models") / GGUF_NAME)
     copies = [shlex.split(a) for op, a in _chain(stages, "router") if op == "COPY"]
     assert any(c[0].startswith("--from=") and c[-1] == str(tokenizer) for c in copies)
+
+
+def test_the_gpu_image_reads_its_own_lock():
+    args = _compose()["x-gpu-worker"]["build"]["args"]
+    gpu = ROOT / args["WORKER_LOCK"]
+    text = gpu.read_text()
+    assert re.search(r"^torch==[\d.]+ ", text, re.M)  # PyPI's torch: its CUDA build
+    assert re.search(r"^nvidia-", text, re.M) and "--hash=sha256:" in text
 
 
 def _copied(stages, ops) -> set[str]:

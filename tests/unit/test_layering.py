@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # The repository's top-level folders that install as baton.<folder> (pyproject.toml).
@@ -230,9 +229,12 @@ def test_pyproject_ships_every_package_under_baton():
     # Every package of the checkout is installed, and under baton.* only (baton_client, the
     # public client, keeps its own name).
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    # A folder is a package (a namespace portion, or regular where it has __init__.py)
+    # where it holds Python modules, or folders that do.
     here = {"baton", "baton.v1", "baton_client"} | {
-        "baton." + p.parent.relative_to(ROOT).as_posix().replace("/", ".")
-        for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+        "baton." + d.relative_to(ROOT).as_posix().replace("/", ".")
+        for folder in FOLDERS for d in [ROOT / folder, *(ROOT / folder).rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py"))}
     assert set(tool["packages"]) == here
     assert tool["package-dir"] == {"baton": "protos/baton",
                                    **{f"baton.{f}": f for f in FOLDERS}}

@@ -1,4 +1,4 @@
-"""Attention and cache-write kernels, chosen once per platform.
+"""Which attention and cache-write kernels serve, chosen once per platform.
 
 Every backend offers the same two functions as `kernels.reference`, and is tested
 against it:
@@ -24,17 +24,16 @@ from types import ModuleType
 
 import torch
 
-from baton.kernels import reference, torch_attn
-from baton.kernels.metadata import AttentionMetadata
+import baton.kernels.reference as reference
+import baton.kernels.torch_attn as torch_attn
 
-__all__ = ["AttentionMetadata", "BACKENDS", "reference", "select_backend", "torch_attn"]
 BACKENDS = ("flash-attn", "triton", "torch", "reference")
 log = logging.getLogger(__name__)
 
 
 def _flash(block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[ModuleType | None, str]:
     try:
-        from baton.kernels import flash
+        import baton.kernels.flash as flash
     except ImportError as e:
         return None, f"flash-attn does not import ({e})"
     why = flash.unsupported(block_size, head_dim, dtype)
@@ -45,7 +44,7 @@ def _triton(device: torch.device) -> tuple[ModuleType | None, str]:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "Triton needs CUDA (or TRITON_INTERPRET=1 to interpret it on CPU)"
     try:
-        from baton.kernels import triton_attn
+        import baton.kernels.triton_attn as triton_attn
     except ImportError as e:
         return None, f"triton does not import ({e})"
     return triton_attn, "triton"

@@ -1,7 +1,6 @@
-"""KV block transfer between engines: the contract (base), NIXL, a gRPC-stream fallback,
-the lease check every decode worker puts around its receiver, and an in-memory fake that
-only tests import. Importing this package (or `baton.kv_transfer.base`) loads no torch: the
-connectors are imported when one is made."""
+"""The connectors by transport name: NIXL or the gRPC-stream fallback. Importing this
+module (or `baton.kv_transfer.base`, the contract) loads no torch: a connector's module is
+imported when one is made."""
 
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""The decode worker: a decode-role engine behind DecodeService, and its KV import."""

@@ -1,1 +1,0 @@
-"""The prefill worker: a prefill-role engine behind PrefillService, and its KV export."""

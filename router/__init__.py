@@ -1,2 +1,0 @@
-"""The public front door: the Generation API, admission, routing and P/D orchestration.
-Torch-free."""

@@ -1,2 +1,0 @@
-"""What every service is built from: the serving pieces, the engine, the workers' shared
-parts, and the benchmarks."""
