@@ -3,10 +3,8 @@ no request left, every block free with ref count zero."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import weakref
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 
 from baton.services.engine import LLM
 from baton.services.engine.default_model import ensure_default_model
+from tests.xdist_groups import pytest_xdist_make_scheduler  # noqa: F401 (a hook)
 
 # Weak: an engine is checked while its fixture keeps it, and freed with it.
 _ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()
@@ -107,35 +106,3 @@ def pytest_collection_modifyitems(config, items) -> None:
         return 0 if module in slow else 1 if "tests/e2e/" in module else 2
 
     items.sort(key=rank)  # stable: each module keeps its own order
-
-
-# With xdist, each module runs whole on one process (its module-scoped engines and
-# topologies are built once), the modules that share the session's topology run on one
-# process, and so do those that share transformers' reference model (`hf_model`, 30 s to
-# build). xdist's own `xdist_group` marks do not reach its scheduler under this pytest
-# (it renames a node attribute the scheduler no longer reads), so the scheduler here
-# groups by module, from the nodeid, reading which shared fixture a module's tests take.
-_SHARED = ("topology", "hf_model")
-
-
-@functools.cache  # one read of each module, however many of its tests are scheduled
-def _group(rootpath: Path, module: str) -> str:
-    try:
-        text = (rootpath / module).read_text()
-    except OSError:
-        text = ""
-    takes = {name for name in _SHARED if re.search(rf"def test_\w*\([^)]*\b{name}\b", text)}
-    return next((name for name in _SHARED if name in takes), module)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (the Makefile's), grouped as said above."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByModule(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _group(config.rootpath, nodeid.split("::")[0])
-
-    return ByModule(config, log)

@@ -44,7 +44,7 @@ REQUEST_ID = "baton.request_id"  # in the ASGI scope: this request's id
 GIVEN_ID = "baton.given_request_id"  # ... and whether the caller gave it
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})
 try:
-    VERSION = importlib.metadata.version("baton")
+    VERSION = importlib.metadata.version("baton-llm")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
     VERSION = "0+unknown"
 

@@ -174,7 +174,7 @@ def test_the_routes_are_behind_the_api_key_and_version_answers(tok):
             assert error(refused, 401)["type"] == "authentication_error"
             assert (await client.request(method, path, **kw)).status_code == 200
         assert (await client.get("/version")).json() == {
-            "version": importlib.metadata.version("baton")}
+            "version": importlib.metadata.version("baton-llm")}
         for path in ("/health", "/metrics"):  # open, as before
             assert (await client.get(path, headers={"Authorization": ""})).status_code == 200
 
