@@ -6,7 +6,7 @@ Two builds are looked for, in this order:
   * upstream `flash_attn` >= 2.6 (`block_table=` support): pages a multiple of 256
     (`--block-size 256`).
 `unsupported()` says why a build cannot serve a given layout; the backend is then not
-chosen (see kernels/__init__.py).
+chosen (see kernels/backend.py).
 
 flash-attn wants a paged cache as [num_blocks, block_size, kv_heads, head_dim]. Ours is
 [kv_heads, num_blocks, block_size, head_dim]; `permute(1, 2, 0, 3)` is a view of the same
