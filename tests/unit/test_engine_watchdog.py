@@ -15,16 +15,19 @@ from baton.services.rpc.server import NOT_SERVING, SERVING, Lifecycle
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.watchdog import watch
 
-STALL_S = 0.2
+# Far above any pause a loaded machine gives the engine thread between two turns (a
+# millisecond idle): a turn that outlasts it is a hang, not a slow scheduler.
+STALL_S = 1.0
 
 
 class GatedEngine:
     """What AsyncEngine touches of an engine, with work always pending; each step waits
-    for `gate` (cleared: the step hangs)."""
+    for `gate` (cleared: the step hangs). `steps`: [entered, left] (Unix times) each."""
 
     def __init__(self):
         self.gate = threading.Event()
         self.gate.set()
+        self.steps: list[list[float | None]] = []
 
     def stats(self) -> EngineStats:
         return EngineStats()
@@ -36,7 +39,10 @@ class GatedEngine:
         pass
 
     def step(self) -> list:
+        times = [time.time(), None]
+        self.steps.append(times)
         self.gate.wait()
+        times[1] = time.time()
         return []
 
 
@@ -49,7 +55,7 @@ async def _health_is(lifecycle: Lifecycle, status: int) -> bool:
     return await _health(lifecycle) == status
 
 
-async def _until(check, timeout: float = 5.0) -> None:
+async def _until(check, timeout: float = 60.0) -> None:
     """Until `check()` (a bool, or a coroutine of one) holds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -62,16 +68,33 @@ async def _until(check, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+class Looks:
+    """The AsyncEngine as the watchdog sees it, counting its looks (`count`): the test's
+    own calls of `stalled_since` are not counted."""
+
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine, self.count = aengine, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.aengine, name)
+
+    def stalled_since(self) -> float | None:
+        self.count += 1
+        return self.aengine.stalled_since()
+
+
 def _watched(body) -> None:
-    """Runs `body(engine, aengine, lifecycle)` while the watchdog watches a GatedEngine."""
+    """Runs `body(engine, aengine, lifecycle, looks)` while the watchdog watches a
+    GatedEngine (through `looks`, a Looks)."""
     engine = GatedEngine()
     aengine = AsyncEngine(engine, stall_timeout_s=STALL_S)
     lifecycle = Lifecycle()
+    looks = Looks(aengine)
 
     async def main():
-        watchdog = asyncio.get_running_loop().create_task(watch(aengine, lifecycle))
+        watchdog = asyncio.get_running_loop().create_task(watch(looks, lifecycle))
         try:
-            await body(engine, aengine, lifecycle)
+            await body(engine, aengine, lifecycle, looks)
         finally:
             watchdog.cancel()
             engine.gate.set()
@@ -83,17 +106,23 @@ def _watched(body) -> None:
 
 
 def test_a_hung_step_turns_health_not_serving_until_it_ends():
-    async def body(engine, aengine, lifecycle):
+    async def body(engine, aengine, lifecycle, looks):
         await lifecycle.set_serving(True)
-        await asyncio.sleep(3 * STALL_S)  # steps go on: nothing to see
+        # Steps go on while the watchdog looks for longer than the stall timeout (it looks
+        # every quarter of it): nothing to see.
+        steps = len(engine.steps)
+        await _until(lambda: looks.count >= 6 and len(engine.steps) > steps + 6)
         assert aengine.stalled_since() is None
         assert await _health(lifecycle) == SERVING
         engine.gate.clear()
-        hung_at = time.time()
         await _until(lambda: _health_is(lifecycle, NOT_SERVING))
         since = aengine.stalled_since()
-        assert since is not None and abs(since - hung_at) < 0.1
-        assert time.time() - hung_at >= STALL_S
+        # Since the turn of the step that hangs began: after the step before it ended, by
+        # the time the hung one entered (not when the hang was found, STALL_S later).
+        (_, before_left), (hung_entered, hung_left) = engine.steps[-2:]
+        assert hung_left is None and since is not None
+        assert before_left - 0.01 <= since <= hung_entered + STALL_S / 2, (
+            before_left, since, hung_entered)
         engine.gate.set()  # the step ends after all
         await _until(lambda: _health_is(lifecycle, SERVING))
         assert aengine.stalled_since() is None
@@ -102,14 +131,15 @@ def test_a_hung_step_turns_health_not_serving_until_it_ends():
 
 
 def test_a_stalled_engine_never_makes_a_draining_worker_serving():
-    async def body(engine, aengine, lifecycle):
+    async def body(engine, aengine, lifecycle, looks):
         engine.gate.clear()
         await _until(lambda: aengine.stalled_since() is not None)
         lifecycle.draining = True
         await lifecycle.set_serving(False)
         engine.gate.set()
         await _until(lambda: aengine.stalled_since() is None)
-        await asyncio.sleep(0.3)  # the watchdog has looked again
+        seen = looks.count
+        await _until(lambda: looks.count >= seen + 2)  # the watchdog has seen it turn again
         assert await _health(lifecycle) == NOT_SERVING
 
     _watched(body)
