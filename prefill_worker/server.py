@@ -83,12 +83,14 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                 engine_id=self.engine_id, request_id=rid, lease_id=out.kv_lease_id,
                 block_ids=out.kv_block_ids, num_tokens=len(out.prompt_token_ids),
                 fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
-            # A call that ends cancelled (the caller left, or its deadline passed) handed
-            # the lease to nobody. An answer that went out but never arrived is the
-            # router's to end (AbortPrefill).
+            # A call that ends cancelled (the caller left) or past its deadline handed the
+            # lease to nobody: gRPC drops an answer sent after the deadline, and the call
+            # does not read as cancelled then; the router's AbortPrefill may have come
+            # before the grant. An answer that went out but never arrived is the router's
+            # to end (AbortPrefill).
             lease = out.kv_lease_id
             context.add_done_callback(
-                lambda ctx: ctx.cancelled() and self.aengine.release_lease(rid, lease))
+                lambda ctx: _undelivered(ctx) and self.aengine.release_lease(rid, lease))
         return reply
 
     async def ReleaseKv(self, request, context):
@@ -113,6 +115,13 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             transport=self.transport, transport_metadata=self.transport_metadata,
             proof=self.cluster.prove(request.nonce, self.engine_id, self.transport,
                                      self.transport_metadata))
+
+
+def _undelivered(context) -> bool:
+    """Whether a call, once ended, may not have delivered its answer: cancelled, or at
+    or past its deadline."""
+    left = context.time_remaining()
+    return context.cancelled() or (left is not None and left <= 0)
 
 
 def serve(config: WorkerConfig) -> None:
