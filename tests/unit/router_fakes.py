@@ -75,6 +75,9 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     token_delay_s: float = 0.0
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
+    connects: int = 0  # decode: handshakes asked of it
+    gate: asyncio.Event | None = None  # decode: each token past `ungated` waits for it
+    ungated: int = 0  # decode: tokens of a stream sent before the gate is heeded
     frozen: bool = False  # answers nothing (stats, decode) until thawed
     stalled_since: float = 0.0  # its engine stuck since (Unix time): streams wait, stats say so
     leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
@@ -83,6 +86,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     prefills: list[str] = field(default_factory=list)
     decodes: list[wk.DecodeRequest] = field(default_factory=list)
     active: int = 0
+    prefilling: int = 0  # Prefill calls under way
     kv: KvEventLog = field(default_factory=KvEventLog)  # the prompts' blocks it "caches"
     _thaw: asyncio.Event | None = None
 
@@ -129,6 +133,13 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     # ---- prefill ---------------------------------------------------------------------
 
     async def Prefill(self, request, context):
+        self.prefilling += 1
+        try:
+            return await self._prefill(request, context)
+        finally:
+            self.prefilling -= 1
+
+    async def _prefill(self, request, context):
         await self._refuse(context)
         await self._stall_if_frozen()
         prompt = list(request.prompt_token_ids)
@@ -145,9 +156,11 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                 engine_id=self.engine_id, request_id=request.request_id, lease_id=lease,
                 block_ids=list(range(1, 1 + -(-len(prompt) // 16))), num_tokens=len(prompt),
                 lease_s=30))
-            # As a prefill worker does: a call that ends cancelled hands the lease to nobody.
+            # As a prefill worker does: a call that ends cancelled, or past its deadline,
+            # hands the lease to nobody.
             context.add_done_callback(
-                lambda ctx: ctx.cancelled() and self.release(request.request_id, lease))
+                lambda ctx: (ctx.cancelled() or (ctx.time_remaining() or 1) <= 0)
+                and self.release(request.request_id, lease))
         return reply
 
     def release(self, rid: str, lease_id: int) -> bool:
@@ -173,6 +186,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     # ---- decode ----------------------------------------------------------------------
 
     async def Connect(self, request, context):
+        self.connects += 1
         while self.connect_hangs:
             await asyncio.sleep(0.05)
         if self.connect_error:
@@ -197,6 +211,8 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
             for n, k in enumerate(range(start, max_tokens)):
                 if self.die_after is not None and n >= self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
+                if self.gate is not None and n >= self.ungated:
+                    await self.gate.wait()
                 await self._stall_if_frozen()
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
@@ -252,6 +268,15 @@ class Cluster:
     lifecycle: Lifecycle
     address: str
     router: Router
+    rounds: list[int] = field(default_factory=lambda: [0])  # the registry's polls so far
+
+    async def polled(self, rounds: int = 2) -> None:
+        """Until the registry has polled every worker (stats, then KV events) `rounds`
+        more times: twice, and one round began after this call."""
+        until, deadline = self.rounds[0] + rounds, time.monotonic() + 60
+        while self.rounds[0] < until:
+            assert time.monotonic() < deadline, "the registry stopped polling"
+            await asyncio.sleep(0.005)
 
     async def generate(self, prompt: list[int], max_tokens: int = 8, timeout: float = 10,
                        key: str | None = None, **kw) -> list[gen.GenerateResponse]:
@@ -264,10 +289,9 @@ class Cluster:
         return sum(len(p.leases) for p in self.prefill)
 
     async def settle(self) -> None:
-        """Let fire-and-forget releases land."""
-        for _ in range(50):
-            if not self.leases_held():
-                return
+        """Let fire-and-forget releases land (a leak shows in the caller's check after)."""
+        deadline = time.monotonic() + 30
+        while self.leases_held() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
 
@@ -290,6 +314,14 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     router = build(config, lifecycle, [GrpcWorkerClient(a) for a in config.prefill],
                    [GrpcWorkerClient(a) for a in config.decode])
     registry = router.registry
+    rounds = [0]
+    count_workers = registry.on_refresh  # the router's metrics, after every round
+
+    def refreshed() -> None:
+        rounds[0] += 1
+        count_workers()
+
+    registry.on_refresh = refreshed
     security = Security.of(config)  # the API keys, as `run` sets them up
     lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
 
@@ -305,7 +337,8 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
-                      workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router)
+                      workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router,
+                      rounds)
     finally:
         for w in workers:
             w.thaw()

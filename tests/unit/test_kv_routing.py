@@ -27,7 +27,7 @@ async def _served_by(c, prompt, **kw):
     assert tokens(msgs) == expected(prompt, 4)
     d = next(d for d in c.decode if d.decodes and list(d.decodes[-1].prompt_token_ids)
              == prompt)
-    await asyncio.sleep(0.12)  # a poll or two: the events reach the router
+    await c.polled()  # the events reach the router
     return d.engine_id, msgs
 
 
@@ -45,7 +45,7 @@ def _sticky(routing: str, tok) -> dict[int, set[str]]:
                 for (_, prompt), msgs in zip(burst, await asyncio.gather(
                         *(c.generate(p, 4) for _, p in burst)), strict=True):
                     assert tokens(msgs) == expected(prompt, 4)
-                await asyncio.sleep(0.12)  # a poll or two: the events reach the router
+                await c.polled()  # the events reach the router
                 for t, prompt in burst:
                     seen.setdefault(t, set()).update(
                         d.engine_id for d in c.decode
@@ -100,13 +100,13 @@ def test_the_prefill_worker_that_holds_the_prefix_gets_it_unless_much_busier(tok
         async with cluster(tok, prefills=2, decodes=1) as c:
             (_, prompt), = _tenant_prompts(1, 1)
             c.prefill[1].cache(prompt)
-            await asyncio.sleep(0.12)
+            await c.polled()
             msgs = await c.generate(prompt, 4)
             assert len(c.prefill[1].prefills) == 1 and not c.prefill[0].prefills
             assert msgs[0].timings.expected_cached_blocks == 4
             # Now make it look busy: 16 requests routed since its last stats.
-            c.registry.poll_s = 3600  # no poll resets the count in between
-            await asyncio.sleep(0.1)
+            c.registry.poll_s = 3600  # no poll resets the count in between: once the
+            await c.polled(1)  # round under way (or the next) is done, the next is far
             p1 = next(w for w in c.registry.prefill if w.engine_id == "p1")
             p1.routed += 16
             await c.generate(prompt, 4)
@@ -119,11 +119,11 @@ def test_evicted_blocks_stop_attracting_requests(tok):
         async with cluster(tok, prefills=2, decodes=1) as c:
             (_, prompt), = _tenant_prompts(1, 1)
             c.prefill[1].cache(prompt)
-            await asyncio.sleep(0.12)
+            await c.polled()
             p1 = next(w for w in c.registry.prefill if w.engine_id == "p1")
             assert p1.index.match(PromptBlocks(prompt)) == 4  # the router saw them
             c.prefill[1].kv.cleared()  # evicted everything
-            await asyncio.sleep(0.12)
+            await c.polled()
             msgs = await c.generate(prompt, 4)
             assert msgs[0].timings.expected_cached_blocks == 0
     asyncio.run(main())

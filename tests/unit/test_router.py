@@ -6,6 +6,7 @@ formula, and that no prefill lease is left held."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -18,6 +19,23 @@ from tests.unit.router_fakes import PROMPT, cluster, expected, request, tokens
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def _until(check, timeout: float = 60.0) -> None:
+    """Until `check()` (a bool, or a coroutine of one) holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ok = check()
+        if asyncio.iscoroutine(ok):
+            ok = await ok
+        if ok:
+            return
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _status_is(health, status: int) -> bool:
+    return (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == status
 
 
 def test_prefill_then_decode_pulls_the_handle(tok):
@@ -132,8 +150,8 @@ def test_the_prefill_lease_is_released_on_every_way_out(tok, exit_path):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await c.generate(PROMPT, 8, timeout=0.3)
                 assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                c.prefill[0].thaw()
-                await asyncio.sleep(0.1)  # the thawed prefill grants its lease late
+                c.prefill[0].thaw()  # the call, if it still runs, grants its lease late
+                await _until(lambda: not c.prefill[0].prefilling)
             await c.settle()
             assert c.leases_held() == 0, c.prefill[0].leases
             # Every release named its lease: a worker refuses lease 0 ("any lease").
@@ -218,13 +236,10 @@ def test_not_serving_until_a_pair_is_ready_then_serving_then_not_when_draining(t
                 req = health_pb2.HealthCheckRequest()
                 assert (await health.Check(req)).status == health_pb2.HealthCheckResponse.SERVING
                 c.decode[0].freeze()  # the only decode worker stops answering
-                await asyncio.sleep(1.0)
-                assert c.registry.readiness()[0] is False
-                assert (await health.Check(req)).status == (
-                    health_pb2.HealthCheckResponse.NOT_SERVING)
+                await _until(lambda: c.registry.readiness()[0] is False)
+                await _until(lambda: _status_is(health, health_pb2.HealthCheckResponse.NOT_SERVING))
                 c.decode[0].thaw()
-                await asyncio.sleep(0.3)
-                assert (await health.Check(req)).status == health_pb2.HealthCheckResponse.SERVING
+                await _until(lambda: _status_is(health, health_pb2.HealthCheckResponse.SERVING))
 
     run(main())
 
@@ -233,7 +248,7 @@ def test_a_draining_prefill_worker_gets_no_new_prompt_but_its_handles_still_pair
     async def main():
         async with cluster(tok, prefills=2) as c:
             c.prefill[0].draining = True
-            await asyncio.sleep(0.2)  # a poll sees it
+            await c.polled()  # a poll sees it
             for _ in range(3):
                 assert tokens(await c.generate(PROMPT, 4)) == expected(PROMPT, 4)
             assert not c.prefill[0].prefills and len(c.prefill[1].prefills) == 3
