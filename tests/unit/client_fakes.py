@@ -32,6 +32,7 @@ class Call:
     at: float  # time.monotonic() when the call arrived
     metadata: dict
     request: object
+    remaining: float | None  # its deadline, as seconds left when it arrived (None: none)
 
 
 def overloaded(ms: int) -> Step:
@@ -59,7 +60,9 @@ class FakeGeneration(gen_grpc.GenerationServicer):
         self.gone = threading.Event()  # set when a hanging Generate has ended
 
     def _record(self, request, context) -> None:
-        self.calls.append(Call(time.monotonic(), dict(context.invocation_metadata()), request))
+        remaining = context.time_remaining()  # before `at`: at + remaining >= its deadline
+        self.calls.append(Call(time.monotonic(), dict(context.invocation_metadata()), request,
+                               remaining))
 
     def Generate(self, request, context):
         self._record(request, context)
