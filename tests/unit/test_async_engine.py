@@ -54,13 +54,18 @@ def test_stream_then_abort_on_early_exit(aengine, llm):
 
 def test_cancelled_call_does_not_kill_the_engine_thread(aengine):
     async def main():
-        # Hold the engine thread in a slow call, queue a second one, give up on it.
-        slow = asyncio.ensure_future(aengine.call(lambda e: __import__("time").sleep(0.3)))
-        await asyncio.sleep(0.05)
+        # Hold the engine thread in a call, queue a second one, give up on it.
+        held, release = threading.Event(), threading.Event()
+        slow = asyncio.ensure_future(aengine.call(
+            lambda e: (held.set(), release.wait(60))))
+        while not held.is_set():
+            await asyncio.sleep(0.001)
         ran = []
         second = asyncio.ensure_future(aengine.call(lambda e: ran.append(1)))
-        await asyncio.sleep(0.05)
+        while not aengine._calls:  # queued behind the held call
+            await asyncio.sleep(0.001)
         second.cancel()
+        release.set()
         await slow
         return ran, await aengine.call(lambda e: "alive")
 
@@ -159,8 +164,7 @@ def test_cancel_that_lands_while_the_request_is_admitted_aborts_it(aengine):
 
         task = asyncio.ensure_future(consume())
         with pytest.raises(asyncio.CancelledError):
-            await task
-        await asyncio.sleep(0.05)  # the abort is queued behind the admit
+            await task  # ends once its abort, queued behind the admit, has run
         return await aengine.call(lambda e: e.has_unfinished_requests())
 
     assert asyncio.run(main()) is False
