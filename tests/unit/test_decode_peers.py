@@ -101,6 +101,12 @@ class _Prefill:
         return SimpleNamespace(released=self.calls.count(self.calls[-1]) == 1)
 
 
+async def _settled(peers: Peers) -> None:
+    """Until every task the peers started (releases, closes) has ended."""
+    while peers._tasks:
+        await asyncio.wait(list(peers._tasks))
+
+
 async def _known(prefill: _Prefill) -> Peers:
     peers = _peers()
     peers.add("p", "10.0.0.1:9")
@@ -120,7 +126,7 @@ def test_a_decode_call_releases_its_lease_once_whichever_path_ends_it(pulled):
             if pulled:
                 assert await asyncio.wrap_future(peers.confirm(handle))
             over()  # the first output
-        await asyncio.sleep(0.01)  # a background release runs
+        await _settled(peers)  # a background release, if any, has run
         assert prefill.calls == [("r", 7)] and not peers._held
         peers.close()
 
@@ -136,7 +142,7 @@ def test_a_pull_confirmed_after_its_call_ended_is_not_trusted():
         handle = KVHandle("p", "r", 7, (1,), 4)
         with peers.holding(handle):
             pass
-        await asyncio.sleep(0.01)
+        await _settled(peers)  # the release of its end has run
         assert not await asyncio.wrap_future(peers.confirm(handle))
         assert prefill.calls == [("r", 7), ("r", 7)]
         peers.close()
