@@ -44,7 +44,7 @@ class SlowCompiles:
         self.threads.append(threading.current_thread().name)
         if constraint.spec == "bad":
             raise RuntimeError("line 1\nunbalanced parenthesis")
-        self.release.wait(10)
+        self.release.wait(60)
         return ("compiled", constraint.spec)
 
 
@@ -63,7 +63,7 @@ def make(timeout_s=10.0, threads=1, max_pending=4) -> GrammarCompiler:
     return compiler
 
 
-def wait_until(check, timeout_s=5.0):
+def wait_until(check, timeout_s=60.0):
     end = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < end, "timed out"
@@ -75,7 +75,9 @@ def test_a_compile_past_the_time_limit_fails_at_once_and_still_holds_its_slot(sl
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"regex: not compiled within the time limit of 0.2s"):
         compiler.compile(regex("a+"))
-    assert time.monotonic() - start < 2
+    # At the limit (0.2 s idle), not at the compile's end (when released, or 60 s): the
+    # latency is the contract, bounded at over ten times the idle figure.
+    assert time.monotonic() - start < 3
     # xgrammar cannot be stopped: the thread is still busy, so the slot stays taken.
     with pytest.raises(AtCapacity):
         compiler.submit(regex("b+"))
