@@ -19,7 +19,7 @@ from baton.v1 import generation_pb2 as gen
 from tests.unit.router_fakes import PROMPT, cluster, expected, request
 
 
-async def _until(condition, timeout: float = 5.0) -> None:
+async def _until(condition, timeout: float = 60.0) -> None:
     for _ in range(int(timeout / 0.01)):
         if condition():
             return
@@ -29,7 +29,10 @@ async def _until(condition, timeout: float = 5.0) -> None:
 
 def test_tokenize_counts_toward_max_inflight(tok):
     async def main():
-        async with cluster(tok, max_inflight=1) as c:
+        # A frozen prefill worker holds the Generate's slot, never called down meanwhile
+        # (after the fakes' 0.5 s the prompt would move on: on a slow machine, before
+        # the refusal).
+        async with cluster(tok, max_inflight=1, worker_timeout=60) as c:
             c.prefill[0].freeze()  # the Generate below holds its slot
             held = asyncio.ensure_future(c.generate(PROMPT, 4))
             await _until(lambda: c.router.inflight == 1)
@@ -46,7 +49,7 @@ def test_tokenize_counts_toward_max_inflight(tok):
 
 def test_all_choices_are_admitted_at_once_so_none_is_refused_mid_stream(tok):
     async def main():
-        async with cluster(tok, max_inflight=2) as c:
+        async with cluster(tok, max_inflight=2, worker_timeout=60) as c:  # as above
             c.decode[0].token_delay_s = 0.02  # the other request stays in flight a while
             app = app_module.make_app(c.router, Security(ServiceConfig(), ()), Lifecycle())
             c.prefill[0].freeze()  # choice 0 waits for its first token
