@@ -149,9 +149,8 @@ def test_a_drain_refuses_new_work_serves_the_rest_and_waits_for_what_runs():
                 assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
                 running = asyncio.ensure_future(prefill.Prefill(wk.PrefillRequest()))
                 await toy.started.wait()
-                drained = asyncio.ensure_future(drain(state, idle=None, grace_s=10))
-                await asyncio.sleep(0.1)
-                assert (await watch.read()).status == (
+                drained = asyncio.ensure_future(drain(state, idle=None, grace_s=60))
+                assert (await watch.read()).status == (  # the next status: draining
                     health_pb2.HealthCheckResponse.NOT_SERVING)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await prefill.Prefill(wk.PrefillRequest())
@@ -163,7 +162,7 @@ def test_a_drain_refuses_new_work_serves_the_rest_and_waits_for_what_runs():
                 assert not drained.done()  # the call in flight holds the drain
                 toy.finish.set()
                 await running
-                await asyncio.wait_for(drained, 5)
+                await asyncio.wait_for(drained, 60)
                 watch.cancel()
         finally:
             await server.stop(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import re
+import time
 
 import httpx
 import pytest
@@ -48,9 +49,9 @@ def http(tok, check, keys: tuple[str, ...] = (), **router_kw):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t",
                                          headers=AUTH if keys else {}) as client:
-                for _ in range(100):  # until the registry has polled a worker
-                    if (await client.get("/health")).status_code == 200:
-                        break
+                deadline = time.monotonic() + 60  # until the registry has polled a worker
+                while (await client.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline, "the router never became ready"
                     await asyncio.sleep(0.02)
                 await check(client, c)
 
