@@ -164,12 +164,12 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
             # of this test process, torch and all, pauses its loop for half a second)
             try:
                 async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                    for _ in range(500):  # until the router has found its workers
-                        if (await client.get("/health")).status_code == 200:
-                            break
+                    deadline = time.monotonic() + 60  # until the router found its workers
+                    while (await client.get("/health")).status_code != 200:
+                        assert time.monotonic() < deadline, "the router never became ready"
                         await asyncio.sleep(0.01)
                     # The abuser is another process (its own work costs this loop
-                    # nothing); it builds its bodies, then sends them when told.
+                    # nothing); it builds its bodies, then sends them each time told.
                     sender = await asyncio.create_subprocess_exec(
                         sys.executable, "-m", "tests.unit.test_abuse", base, c.address,
                         cwd=ROOT, stdin=asyncio.subprocess.PIPE,
@@ -177,7 +177,12 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
                     assert await sender.stdout.readline() == b"ready\n"
                     stop, latencies = asyncio.Event(), []
                     poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
-                    results = json.loads((await sender.communicate(b"go\n"))[0])
+                    rounds = []  # every giant request each, until enough polls came meanwhile
+                    while len(latencies) <= 10:
+                        sender.stdin.write(b"go\n")
+                        await sender.stdin.drain()
+                        rounds.append(json.loads(await sender.stdout.readline()))
+                    await sender.communicate(b"")
                     stop.set()
                     await poller
                     # Served as ever, by both APIs.
@@ -191,19 +196,22 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
             finally:
                 gc.unfreeze()
                 await http.stop()
-        return results, latencies
+        return rounds, latencies
 
-    results, latencies = asyncio.run(main())
-    assert len(results) == 20, results  # 11 HTTP bodies, 9 gRPC requests
-    for r in results:
+    rounds, latencies = asyncio.run(main())
+    assert all(len(results) == 20 for results in rounds), rounds  # 11 HTTP, 9 gRPC
+    for r in (r for results in rounds for r in results):
         assert r["status"] in (400, "INVALID_ARGUMENT") and r["param"] == r["want"], r
         # Counted and refused before any per-item work: well under the many seconds a
-        # parse of every giant body takes, with the other test process on the cores.
+        # parse of every giant body takes (0.1 s at most, idle: latency is the contract
+        # here, bounded at 20 times that).
         assert r["took"] < 2.0, r
     # Parsed on the loop, 20 giant requests would stall it 20 times; the other test
     # process and the sender share the two cores, so the OS may delay a poll or two.
+    # Idle, the third slowest answer takes 25 ms and the slowest 30: bounds of 10 and 15
+    # times that.
     slowest = sorted(latencies)[-3:]
-    assert len(latencies) > 10 and slowest[0] < 0.1 and slowest[-1] < 0.5, slowest
+    assert slowest[0] < 0.25 and slowest[-1] < 0.5, slowest
 
 
 def test_grpc_requests_are_counted_and_parsed_on_the_routers_parse_threads(tok):
@@ -228,5 +236,6 @@ def test_grpc_requests_are_counted_and_parsed_on_the_routers_parse_threads(tok):
 if __name__ == "__main__":  # the abuser, started by the test above
     bodies, requests = _http_bodies(), _grpc_requests()
     print("ready", flush=True)
-    sys.stdin.readline()
-    print(json.dumps(asyncio.run(_send_all(sys.argv[1], sys.argv[2], bodies, requests))))
+    while sys.stdin.readline() == "go\n":  # a round of every request, each time told
+        print(json.dumps(asyncio.run(_send_all(sys.argv[1], sys.argv[2], bodies, requests))),
+              flush=True)
