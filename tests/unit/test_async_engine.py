@@ -156,7 +156,7 @@ def test_cancel_that_lands_while_the_request_is_admitted_aborts_it(aengine):
             engine.add_request("Once upon a time", params, request_id="admit-cancel")
             landed = threading.Event()  # the cancel reaches the caller before we return
             loop.call_soon_threadsafe(lambda: (task.cancel(), landed.set()))
-            landed.wait(5)
+            landed.wait(60)
 
         async def consume():
             async for _ in aengine.generate("admit-cancel", add):

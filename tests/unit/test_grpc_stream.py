@@ -28,7 +28,7 @@ def _pull(receiver: GrpcStreamReceiver, remote: list[int], local: list[int]
           ) -> tuple[TransferState, str | None]:
     receiver.add_peer("p", LAYOUT, b"")
     receiver.start_load("t", KVHandle("p", "r", 1, tuple(remote), 0), remote, local)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not (result := receiver.poll("t"))[0].done:
         assert time.monotonic() < deadline
         time.sleep(0.001)
