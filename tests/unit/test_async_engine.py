@@ -65,6 +65,8 @@ def test_cancelled_call_does_not_kill_the_engine_thread(aengine):
         while not aengine._calls:  # queued behind the held call
             await asyncio.sleep(0.001)
         second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second  # given up: its queued call is cancelled by now
         release.set()
         await slow
         return ran, await aengine.call(lambda e: "alive")
