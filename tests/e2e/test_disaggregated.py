@@ -3,6 +3,7 @@ worker. Compared against the offline engine, the workers' own KV bytes and pool 
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import grpc
@@ -11,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from baton.services.engine import SamplingParams
+from baton.services.rpc.processes import wait_healthy
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
@@ -56,17 +58,19 @@ def test_chat_and_token_id_prompts(topology, offline):
 
 
 def test_first_delta_streams_before_the_last_token(topology):
-    # Long enough that the tiny model is still decoding when the stats call lands.
-    req = gen.GenerateRequest(text="Count slowly:", sampling=greedy(400, ignore_eos=True))
-    seen_running = []
+    # 4,000 tokens take the tiny model 10 s here; the stats call lands within
+    # milliseconds of the first decode delta. Then the client leaves.
+    req = gen.GenerateRequest(text="Count slowly:", sampling=greedy(4000, ignore_eos=True))
     n = 0
     with channel(topology["router"]) as ch:
-        for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=120):
+        call = gen_grpc.GenerationStub(ch).Generate(req, timeout=120)
+        for msg in call:
             n += len(msg.delta.token_ids)
-            if n == 2:  # the first decode delta: the request must still be decoding
-                seen_running.append(stats(topology["decode"]).num_running)
-    assert n == 400
-    assert seen_running == [1]
+            if n >= 2:  # the first decode delta: the request must still be decoding
+                running = stats(topology["decode"]).num_running
+                break
+        call.cancel()
+    assert running == 1
 
 
 def test_sixteen_concurrent_clients(topology, offline):
@@ -111,8 +115,8 @@ def test_only_missing_blocks_move(topology, offline):
 
 @pytest.mark.parametrize("after", [1, 4], ids=["after-first-token", "mid-decode"])
 def test_cancel_frees_every_block_within_a_second(topology, after):
-    req = gen.GenerateRequest(text="Write a very long story.",
-                              sampling=greedy(400, ignore_eos=True))
+    req = gen.GenerateRequest(text="Write a very long story.",  # 10 s of decoding
+                              sampling=greedy(4000, ignore_eos=True))
     with channel(topology["router"]) as ch:
         call = gen_grpc.GenerationStub(ch).Generate(req, timeout=120)
         for i, _ in enumerate(call, 1):
@@ -125,12 +129,30 @@ def test_cancel_frees_every_block_within_a_second(topology, after):
 
 
 def test_deadline_ends_the_request_everywhere(topology):
+    """The deadline lands while the decode worker holds the request: paused mid-decode
+    (SIGSTOP), so it cannot finish first however fast it decodes. Behind a router of its
+    own that waits a minute before it calls a silent worker down (the session router
+    calls it down meanwhile, and up again after)."""
+    topo, decode = topology["topology"], topology["decode"]
+    router = topo.start("router", "--prefill", topology["prefill"], "--decode", decode,
+                        "--worker-timeout", "60")
     req = gen.GenerateRequest(text="Write a very long story.",
-                              sampling=greedy(3000, ignore_eos=True))  # > 1.5 s
-    with pytest.raises(grpc.RpcError) as e:
-        run(topology["router"], req, timeout=1.5)
+                              sampling=greedy(4000, ignore_eos=True))
+    generated, n = stats(decode).num_generation_tokens, 0
+    try:
+        with channel(router) as ch, pytest.raises(grpc.RpcError) as e:
+            for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=3.0):
+                n += len(msg.delta.token_ids)
+                if n >= 2 and n == len(msg.delta.token_ids) + 1:  # the first decode delta
+                    topo.kill(decode, signal.SIGSTOP)
+    finally:
+        topo.kill(decode, signal.SIGCONT)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert both_free_within(topology, 1.0)
+    assert both_free_within(topology, 20.0)  # well before a lease could expire (30 s)
+    # Ended there, not run to its end (however fast the worker would get there).
+    assert stats(decode).num_generation_tokens - generated < 4000
+    session = topology["router"]
+    wait_healthy(session, topo.process(session), timeout=60)  # the decode worker up there
 
 
 def test_bad_input_gets_invalid_argument(topology):

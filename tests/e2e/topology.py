@@ -116,6 +116,11 @@ class Topology:
         self.metrics[address] = f"{kw.get('host', '127.0.0.1')}:{metrics}"  # the worker's host
         return address
 
+    def process(self, address: str) -> subprocess.Popen:
+        """The process serving `address` (the last started there)."""
+        return next(p for p in reversed(self.procs)
+                    if p.args[p.args.index("--address") + 1] == address)
+
     def kill(self, address: str, sig: int = signal.SIGKILL) -> subprocess.Popen | None:
         """Signal the process serving `address`: SIGKILL (no goodbye to its peers) waits
         for it; SIGTERM (a drain), SIGSTOP and SIGCONT return it."""
