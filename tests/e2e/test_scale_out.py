@@ -4,6 +4,7 @@ disaggregation."""
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -66,27 +67,35 @@ def _events(address: str) -> set[bytes]:
 
 
 def test_a_prefix_held_by_a_decode_worker_is_prefilled_there(scale, offline):
-    """The first request of a prefix is disaggregated; the next, routed to the decode
-    worker that now holds the prefix, is computed there: the router's expectation
-    (from KV events, hashed as the engine hashes) equals the hit the engine reports."""
+    """The first request of a prefix is disaggregated; once the router has the KV events
+    of the decode worker that now holds the prefix (it polls them every 0.5 s; until then
+    the next ones are disaggregated too), the next is routed there and computed there:
+    the router's expectation (from KV events, hashed as the engine hashes) equals the hit
+    the engine reports."""
     router = scale["router"]
-    texts = [PREFIX + q for q in QUESTIONS[:2]]
+    texts = [PREFIX + q for q in QUESTIONS]
     want = offline.generate(texts, SamplingParams(max_tokens=12, temperature=0.0))
     first = run(router, gen.GenerateRequest(text=texts[0], sampling=greedy(12)))
     assert not first[-1].timings.local_prefill and first[-1].timings.kv_transfer_s > 0
+    assert joined(first) == (want[0].token_ids, want[0].text)
     holders = [d for d in scale["decodes"] if _events(d)]
     assert len(holders) == 1  # the worker that pulled the KV reports its blocks
-    time.sleep(3.0)  # a few polls (0.5 s apart): the router has the events
-    second = run(router, gen.GenerateRequest(text=texts[1], sampling=greedy(12)))
+    deadline = time.monotonic() + 60
+    for i in itertools.cycle(range(1, len(texts))):  # the other questions, in turn
+        assert time.monotonic() < deadline, "never prefilled on the decode worker"
+        routed = metric_value(_metrics(scale), "baton:routed_expected_cached_blocks_total")
+        second = run(router, gen.GenerateRequest(text=texts[i], sampling=greedy(12)))
+        assert joined(second) == (want[i].token_ids, want[i].text)
+        if second[-1].timings.local_prefill:
+            break
     t, usage = second[-1].timings, second[-1].usage
     assert t.local_prefill and t.kv_transfer_s == 0
     assert t.expected_cached_blocks >= 3
     assert t.expected_cached_blocks * 16 == usage.cached_tokens
-    assert [joined(first), joined(second)] == [(w.token_ids, w.text) for w in want]
-    assert all_free_within([scale["prefill"], *scale["decodes"]], 5.0)
+    assert all_free_within([scale["prefill"], *scale["decodes"]], 20.0)
     metrics = _metrics(scale)
     assert metric_value(metrics, "baton:local_prefills_total") == 1
-    assert metric_value(metrics, "baton:routed_expected_cached_blocks_total") == \
+    assert metric_value(metrics, "baton:routed_expected_cached_blocks_total") - routed == \
         t.expected_cached_blocks
 
 
@@ -112,19 +121,25 @@ def test_decode_workers_come_and_go_behind_one_name_and_no_request_fails(scale, 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
+
+    def until(check, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not check():
+            assert time.monotonic() < deadline and not failures, (what, failures)
+            time.sleep(0.2)
+
     try:
-        time.sleep(3.0)
+        until(lambda: served[0] >= 4, "requests served before the kill")
         gone = f"127.0.0.2:{port}"
         topo.kill(gone, signal.SIGKILL)
         dns.set(NAME, ["127.0.0.1", "127.0.0.3"])
         new = topo.worker("decode", host="127.0.0.4", port=port)  # waits until healthy
         dns.set(NAME, ["127.0.0.1", "127.0.0.3", "127.0.0.4"])
         t0 = time.monotonic()
-        while stats(new).num_generation_tokens == 0:
-            assert time.monotonic() - t0 < 15, "the router never used the new worker"
-            time.sleep(0.2)
+        until(lambda: stats(new).num_generation_tokens > 0, "the router used the new worker")
         followed = time.monotonic() - t0
-        time.sleep(2.0)
+        after = served[0]
+        until(lambda: served[0] >= after + 4, "requests served after")
     finally:
         stop.set()
         for t in threads:
@@ -134,7 +149,7 @@ def test_decode_workers_come_and_go_behind_one_name_and_no_request_fails(scale, 
     assert _up(scale, "decode") == 3  # 127.0.0.1, .3 and .4
     print(f"the router used the new decode worker {followed:.1f}s after its DNS record")
     assert all_free_within([scale["prefill"], f"127.0.0.1:{port}", f"127.0.0.3:{port}", new],
-                           5.0)
+                           20.0)
 
 
 def _metrics(scale) -> str:
