@@ -47,7 +47,7 @@ def stats(address: str) -> wk.GetStatsResponse:
 def running_worker(workers: dict[str, str], names: tuple[str, ...]) -> str:
     """The name of the worker (of `names` in `workers`, those still up) that runs a
     request now: polled, as a tiny model's request can be between steps at any moment."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for name in names:
             try:
