@@ -33,6 +33,7 @@ from tests.e2e.helpers import (
 from tests.e2e.topology import Topology, channel
 
 LEASE_S = 4.0
+WAIT_S = 60.0  # for what comes after LEASE_S (an expiry, and the engine's next look)
 STOPPED: set[str] = set()  # workers a test stopped for good
 VICTIM = "A lighthouse keeper writes in her log every night about the sea. " * 5
 
@@ -58,11 +59,11 @@ def faults(tmp_path_factory, tiny_model):
 @pytest.fixture(autouse=True)
 def faults_leave_nothing_behind(request):
     """After each test every worker of the module's topology holds nothing (a lease the
-    test stranded expires within LEASE_S)."""
+    test stranded expires after LEASE_S; the wait only bounds a hang)."""
     yield
     topo = request.getfixturevalue("faults")
     workers = [topo[w] for w in ("p", "d1", "d2") if topo[w] not in STOPPED]
-    assert all_free_within(workers, LEASE_S + 5), [stats(w) for w in workers]
+    assert all_free_within(workers, 60), [stats(w) for w in workers]
 
 
 def _prefill(address: str, rid: str, ids: list[int], max_tokens: int) -> wk.PrefillResponse:
@@ -127,7 +128,7 @@ def test_a_pull_after_the_lease_ended_never_serves_another_requests_kv(faults, o
     thread = threading.Thread(target=decode)
     try:
         thread.start()
-        _wait_for(lambda: stats(p).num_leases_expired > expired, LEASE_S + 5,
+        _wait_for(lambda: stats(p).num_leases_expired > expired, WAIT_S,
                   "the victim's lease never expired")
         _fill(p, offline)
     finally:
@@ -148,11 +149,11 @@ def test_a_pull_that_starts_after_its_lease_expired_recomputes(faults, offline):
     ref = offline.generate([prompt], params)[0]
     expired = stats(p).num_leases_expired
     first = _prefill(p, "stale", ref.prompt_token_ids, 12)
-    _wait_for(lambda: stats(p).num_leases_expired > expired, LEASE_S + 5, "no expiry")
+    _wait_for(lambda: stats(p).num_leases_expired > expired, WAIT_S, "no expiry")
     failures = stats(d1).num_load_failures
     t0 = time.monotonic()
     msgs = _decode(d1, p, "stale", ref.prompt_token_ids, first, greedy(12))
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 5  # nothing hangs: 30 ms idle
     assert joined([first, *msgs]) == (ref.token_ids, ref.text)
     assert stats(d1).num_load_failures == failures + 1
 
@@ -180,14 +181,18 @@ def test_a_frozen_prefill_worker_is_treated_as_dead(faults, offline):
         msgs = _decode(d1, p, "frozen-source", ref.prompt_token_ids, first, greedy(10))
         assert joined([first, *msgs]) == (ref.token_ids, ref.text)
         assert stats(d1).num_load_failures == failures + 1
-        assert time.monotonic() - t0 < 10
+        # The lease check gives up after its 3 s (CONFIRM_TIMEOUT_S): ten times that
+        # bounds it, short of the call's own 60 s.
+        assert time.monotonic() - t0 < 30
         t0 = time.monotonic()  # through the router: the prompt goes to a decode worker
         msgs = run(router, gen.GenerateRequest(text=prompt, sampling=greedy(10)))
         assert joined(msgs) == (ref.token_ids, ref.text)
-        assert time.monotonic() - t0 < 10
+        # At most the router's worker timeout (3 s) and a poll, if it has not called the
+        # worker down yet: ten times that.
+        assert time.monotonic() - t0 < 35
     finally:
         topo.kill(p, signal.SIGCONT)
-    _wait_for(lambda: stats(p).num_leases == 0, LEASE_S + 5, "the lease was never freed")
+    _wait_for(lambda: stats(p).num_leases == 0, WAIT_S, "the lease was never freed")
 
 
 def test_a_frozen_decode_worker_mid_stream_hands_over(faults, offline):
@@ -197,23 +202,27 @@ def test_a_frozen_decode_worker_mid_stream_hands_over(faults, offline):
     prompt = "Count the waves as they come in, one by one. "
     ref = offline.generate([prompt], params)[0]
     until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
-    msgs, frozen = [], []
+    msgs, frozen, arrived = [], [], []  # arrived: from the freeze on
     try:
         with channel(router) as ch:
             req = gen.GenerateRequest(text=prompt, sampling=greedy(1000, ignore_eos=True))
             for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=60):
                 msgs.append(msg)
+                if frozen:
+                    arrived.append(time.monotonic())
                 if len(msgs) == 4:
                     victim = running_worker(faults, ("d1", "d2"))
                     topo.kill(faults[victim], signal.SIGSTOP)
-                    frozen.append((victim, time.monotonic()))
-                elif len(msgs) == 5:
-                    frozen.append(time.monotonic() - frozen[0][1])
+                    frozen.append(victim)
+                    arrived.append(time.monotonic())
     finally:
-        for victim, _ in frozen[:1]:
+        for victim in frozen:
             topo.kill(faults[victim], signal.SIGCONT)
     assert joined(msgs) == (ref.token_ids, ref.text)
-    assert frozen[1] < 3.0 + 0.5 + 2.0  # worker timeout + poll interval + slack
+    # The stream's one long wait is the worker timeout (3 s) and a poll, 3.5 s idle (what
+    # the victim sent before it froze arrives first): ten times that, short of the 60 s
+    # the stream would wait on the frozen worker.
+    assert max(b - a for a, b in zip(arrived, arrived[1:], strict=False)) < 35
 
 
 def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline):
@@ -253,7 +262,7 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
         _wait_for(lambda: stats(p).num_leases > 0, 30, "the prefill worker holds no lease")
         proc = topo.kill(p, signal.SIGTERM)
         STOPPED.add(p)
-        _wait_for(lambda: _health(p) != health_pb2.HealthCheckResponse.SERVING, 5,
+        _wait_for(lambda: _health(p) != health_pb2.HealthCheckResponse.SERVING, 60,
                   "health still says SERVING")
         health = _health(p)  # in the drain: it still answers, NOT_SERVING
     finally:
