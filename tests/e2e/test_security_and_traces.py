@@ -22,7 +22,7 @@ from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.certs import CA
-from tests.e2e.helpers import greedy, joined
+from tests.e2e.helpers import greedy, joined, metric_value
 from tests.e2e.topology import Topology
 
 KEY = "s3cret-key"
@@ -139,8 +139,6 @@ def test_a_worker_without_the_cas_certificate_cannot_join(secure):
     rogue = topo.worker("decode", "--kv-transport", "nixl",
                         *secure["tls"]("rogue-decode", secure["rogue_ca"]),
                         healthy=False)
-    router = topo.start("router", "--prefill", secure["p"], "--decode", rogue,
-                        *secure["tls"]("router-2"), healthy=False)
     cert, key = secure["client"]  # the rogue trusts our CA, but itself shows another's
     from baton.services.rpc.processes import is_serving
 
@@ -150,7 +148,14 @@ def test_a_worker_without_the_cas_certificate_cannot_join(secure):
     while not is_serving(rogue, credentials=seen):  # it loads its model meanwhile
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    time.sleep(2.0)  # a few of the router's polls: each one is refused
+    # Started once the rogue serves, so every poll of the router's reaches it, and each
+    # is refused: until its gauge says the first one was (down, not unknown).
+    router = topo.start("router", "--prefill", secure["p"], "--decode", rogue,
+                        *secure["tls"]("router-2"), healthy=False)
+    https = ssl.create_default_context(cafile=secure["ca"].path)
+    while _decode_down(f"https://{topo.http[router]}/metrics", https) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     with grpc.secure_channel(router, secure["public"]) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                      timeout=10)
@@ -161,6 +166,15 @@ def test_a_worker_without_the_cas_certificate_cannot_join(secure):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def _decode_down(metrics: str, verify) -> float:
+    """A router's count of decode workers down (0 while it cannot be asked)."""
+    try:
+        text = httpx.get(metrics, verify=verify, timeout=10).text
+    except httpx.TransportError:  # not listening yet
+        return 0
+    return metric_value(text, "baton:workers", role="decode", state="down")
+
+
 def test_one_trace_spans_router_prefill_and_decode(secure):
     _generate(secure, (("authorization", f"Bearer {KEY}"),))
     want = {("baton-router", "generate"), ("baton-router", "prefill"),
@@ -168,7 +182,7 @@ def test_one_trace_spans_router_prefill_and_decode(secure):
             ("baton-prefill", "prefill"), ("baton-decode", "kv_pull"),
             ("baton-decode", "decode")}
     collector = secure["collector"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:  # spans arrive as each service exports them
         with collector.lock:
             by_trace: dict[str, set[tuple[str, str]]] = {}
