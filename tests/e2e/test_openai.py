@@ -4,6 +4,7 @@ shapes. The text must equal the gRPC API's for the same greedy request."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from baton.services.engine import SamplingParams
+from baton.services.rpc.processes import wait_healthy
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.helpers import greedy, joined, metric_value, run, stats
 
@@ -168,37 +170,58 @@ def test_models_health_and_metrics_that_move(topology, http, client, model):
 
 
 def test_a_client_that_disconnects_frees_every_block(topology, http, model):
+    """Whatever the machine's speed: a request left is ended on the workers (fewer tokens
+    than asked were generated), not merely finished by the time of the check."""
     from tests.e2e.conftest import both_free_within
 
-    body = {"model": model, "prompt": "Write a very long story.", "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+    topo, prefill, decode = topology["topology"], topology["prefill"], topology["decode"]
+    generated = stats(decode).num_generation_tokens
+    body = {"model": model, "prompt": "Write a very long story.", "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}  # 10 s of decoding
     with httpx.stream("POST", http + "/v1/completions", json=body, timeout=60) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n == 4:
                 break
         else:
             pytest.fail("the stream ended before the client left")
-    assert both_free_within(topology, 2.0)
-    # Whole (not streamed), and gone before the first token: the prompt is long, n is 2.
+    assert both_free_within(topology, 20.0)  # well before a lease could expire (30 s)
+    assert stats(decode).num_generation_tokens - generated < 4000
+    # Whole (not streamed), and gone before the first token: the prompt is long, n is 2,
+    # and the prefill worker is paused until the client has left.
     body = {"model": model, "prompt": "Tell a story. " * 1000, "max_tokens": 400, "n": 2,
             "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(http + "/v1/completions", json=body, timeout=0.2)
-    assert both_free_within(topology, 1.5)  # its 4,000-token prefill alone takes longer
+    generated = stats(decode).num_generation_tokens
+    topo.kill(prefill, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(http + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 60
+        while metric_value(httpx.get(http + "/metrics", timeout=10).text,
+                           "baton:num_requests_in_flight") > 0:
+            assert time.monotonic() < deadline, "the router kept the request"
+            time.sleep(0.02)
+    finally:
+        topo.kill(prefill, signal.SIGCONT)
+    assert both_free_within(topology, 20.0)
+    assert stats(decode).num_generation_tokens == generated  # neither choice got there
+    router = topology["router"]
+    wait_healthy(router, topo.process(router), timeout=60)  # had it called the worker down
 
 
 @pytest.fixture(scope="module")
 def strict(topology):
-    """A second router on the same workers: one request at a time, a short timeout."""
+    """A second router on the same workers: one request at a time, a short timeout (and a
+    minute before it calls a silent worker down: its request timeout decides)."""
     topo = topology["topology"]
     address = topo.start("router", "--prefill", topology["prefill"], "--decode",
-                         topology["decode"], "--max-inflight", "1", "--request-timeout", "3")
+                         topology["decode"], "--max-inflight", "1", "--request-timeout", "3",
+                         "--worker-timeout", "60")
     return "http://" + topo.http[address]
 
 
-def test_429_with_retry_after_and_504_past_the_deadline(strict, model):
-    long = {"model": model, "prompt": "Write a very long story.", "max_tokens": 1500,
-            "ignore_eos": True}
+def test_429_with_retry_after_and_504_past_the_deadline(topology, strict, model):
+    long = {"model": model, "prompt": "Write a very long story.", "max_tokens": 4000,
+            "ignore_eos": True}  # 10 s of decoding, past the 3 s timeout
     with httpx.Client(timeout=30) as c, httpx.Client(timeout=30) as c2:
         with c.stream("POST", strict + "/v1/completions", json={**long, "stream": True}) as r:
             lines = r.iter_lines()
@@ -208,9 +231,19 @@ def test_429_with_retry_after_and_504_past_the_deadline(strict, model):
             assert busy.json()["error"]["type"] == "rate_limit_error"
     many = httpx.post(strict + "/v1/completions", json={**long, "n": 2}, timeout=30)
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
-    t0 = time.monotonic()
-    late = httpx.post(strict + "/v1/completions", json=long, timeout=60)
-    assert late.status_code == 504 and time.monotonic() - t0 < 10, late.text
+    # The decode worker paused: the request cannot end before its timeout, however fast.
+    topo, decode = topology["topology"], topology["decode"]
+    topo.kill(decode, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        late = httpx.post(strict + "/v1/completions", json=long, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        topo.kill(decode, signal.SIGCONT)
+    assert late.status_code == 504, late.text
+    assert took < 30  # at the 3 s timeout: ten times that
+    router = topology["router"]
+    wait_healthy(router, topo.process(router), timeout=60)  # had it called the worker down
 
 
 def test_503_when_no_worker_can_serve(topology, model):
