@@ -48,12 +48,14 @@ def test_up_serves_both_apis_and_sigterm_stops_everything(tiny_model):
         router = f"127.0.0.1:{ports[0]}"
         with grpc.insecure_channel(router) as ch:
             stub = gen_grpc.GenerationStub(ch)
-            for _ in range(100):  # the router pairs the workers on its first poll
+            deadline = time.monotonic() + 60  # the router pairs the workers on its first poll
+            while True:
                 try:
                     msgs = list(stub.Generate(gen.GenerateRequest(
                         text="Hello", sampling=gen.SamplingParams(max_tokens=4)), timeout=60))
                     break
                 except grpc.RpcError:
+                    assert time.monotonic() < deadline, "never served"
                     time.sleep(0.2)
             assert sum(len(m.delta.token_ids) for m in msgs) >= 1
             info = stub.GetModelInfo(gen.GetModelInfoRequest(), timeout=5).info

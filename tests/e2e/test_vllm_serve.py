@@ -91,13 +91,13 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
         return metric_value(text, name, model_name=model, **labels)
 
     # A stream holds a running request and its KV while it runs.
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2000,
-            "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}  # 10 s of decoding: it runs at the scrapes
     with client.stream("POST", "/v1/completions", json=body) as stream:
         next(stream.iter_lines())  # its first token has come
         # The gauges read the engine's stats snapshot, taken after each step: the first
         # token can reach us before the step that made it has published it.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while True:
             during = scrape()
             if figure(during, "vllm:num_requests_running") >= 1 \
@@ -106,8 +106,13 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
             time.sleep(0.02)
     assert figure(during, "vllm:num_requests_running") >= 1
     assert figure(during, "vllm:kv_cache_usage_perc") > 0
-    time.sleep(0.5)  # the closed stream's request ends on the engine
-    before = scrape()
+    deadline = time.monotonic() + 60
+    while True:  # the closed stream's request ends on the engine
+        before = scrape()
+        if figure(before, "vllm:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, "the closed stream's request never ended"
+        time.sleep(0.02)
 
     async def load():
         async with httpx.AsyncClient(base_url=str(client.base_url), headers=AUTH,
