@@ -139,9 +139,11 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
                                                     ignore_eos=True))
     until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))
     results: dict[int, object] = {}
+    sent = threading.Semaphore(0)
 
     def client(i: int) -> None:
-        time.sleep(0.15 * i)  # some before the drain, some during, some after
+        time.sleep(0.15 * i)  # some before the drain, some during, some after: spread out
+        sent.release()
         try:
             results[i] = joined(until_served(cluster["router"], gen.GenerateRequest(
                 text=prompts[i], sampling=greedy(24, ignore_eos=True))))
@@ -151,7 +153,8 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    for _ in range(3):  # three sent before the drain, however slow the machine
+        assert sent.acquire(timeout=60)
     proc = cluster["topology"].kill(cluster["d2"], signal.SIGTERM)
     for t in threads:
         t.join(timeout=180)
