@@ -84,10 +84,10 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                 block_ids=out.kv_block_ids, num_tokens=len(out.prompt_token_ids),
                 fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
             # A call that ends cancelled (the caller left) or past its deadline handed the
-            # lease to nobody: gRPC drops an answer sent after the deadline, and the call
-            # does not read as cancelled then; the router's AbortPrefill may have come
-            # before the grant. An answer that went out but never arrived is the router's
-            # to end (AbortPrefill).
+            # lease to nobody: gRPC drops an answer sent after the deadline (or it reaches
+            # a router past its own), and the call does not read as cancelled then; the
+            # router's AbortPrefill may have come before the grant. An answer that went out
+            # but never arrived is the router's to end (AbortPrefill).
             lease = out.kv_lease_id
             context.add_done_callback(
                 lambda ctx: _undelivered(ctx) and self.aengine.release_lease(rid, lease))

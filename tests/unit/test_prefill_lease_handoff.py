@@ -2,7 +2,7 @@
 not hold the blocks until the lease expires. The router's AbortPrefill covers an answer
 lost after the grant; an answer whose call ends past its deadline is the worker's own to
 end, since the router's abort may have come before the grant (gRPC then drops the answer,
-and the call does not read as cancelled)."""
+or it reaches a router past its own deadline, and the call does not read as cancelled)."""
 
 from __future__ import annotations
 
@@ -87,8 +87,11 @@ async def _prefill(late: bool) -> tuple[grpc.StatusCode, list]:
 
 
 def test_an_answer_past_its_deadline_ends_its_lease_on_the_worker():
+    """Sent past the deadline, the answer is dropped, or (gRPC's timers racing) reaches
+    a caller whose own deadline has passed too: either way the lease is ended here (a
+    handle that arrived all the same fails the decode worker's lease check)."""
     code, released = asyncio.run(_prefill(late=True))
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK)
     assert released == [("r1", LEASE)]
 
 
