@@ -90,21 +90,32 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
     def figure(text: str, name: str, **labels) -> float:
         return metric_value(text, name, model_name=model, **labels)
 
-    # A stream holds a running request and its KV while it runs.
+    # A stream holds a running request and its KV while it runs. The gauges and the token
+    # counter of a scrape come from one snapshot of the engine's stats (taken after each
+    # step): one that counts some of the stream's tokens, not all, was taken while it ran.
+    # The tiny model decodes 4,000 tokens in seconds; a loaded machine may scrape only
+    # after the end of one: then another stream.
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000,
-            "ignore_eos": True, "stream": True}  # 10 s of decoding: it runs at the scrapes
-    with client.stream("POST", "/v1/completions", json=body) as stream:
-        next(stream.iter_lines())  # its first token has come
-        # The gauges read the engine's stats snapshot, taken after each step: the first
-        # token can reach us before the step that made it has published it.
-        deadline = time.monotonic() + 60
-        while True:
-            during = scrape()
-            if figure(during, "vllm:num_requests_running") >= 1 \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-    assert figure(during, "vllm:num_requests_running") >= 1
+            "ignore_eos": True, "stream": True}
+    deadline, during, tail = time.monotonic() + 60, None, []
+    while during is None:
+        assert time.monotonic() < deadline, "no scrape came while a stream ran"
+        start = figure(scrape(), "vllm:generation_tokens_total")
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            next(stream.iter_lines())  # its first token has come
+            while time.monotonic() < deadline:
+                text = scrape()
+                done = figure(text, "vllm:generation_tokens_total") - start
+                if 0 < done < 4000:
+                    during = text
+                    break
+                if done >= 4000:  # it ended before this scrape
+                    break
+                time.sleep(0.02)  # a snapshot from before its first step: again
+            if during is not None and figure(during, "vllm:num_requests_running") < 1:
+                tail = list(stream.iter_lines())[-3:]  # how it ended, for the message
+    assert figure(during, "vllm:num_requests_running") >= 1, (tail, [
+        line for line in during.splitlines() if line.startswith("vllm:num_requests")])
     assert figure(during, "vllm:kv_cache_usage_perc") > 0
     deadline = time.monotonic() + 60
     while True:  # the closed stream's request ends on the engine
