@@ -1,0 +1,222 @@
+"""Every flag of every role, in one table (what a flag is: flag_spec.py)."""
+
+from __future__ import annotations
+
+from baton.cli.flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
+from baton.services.common.reasoning import REASONING_PARSERS
+from baton.services.common.tool_parsers import TOOL_PARSERS
+from baton.services.engine.config import DTYPES
+
+FLAGS: list[Flag] = [
+    # -- every service
+    _f("drain-grace", ROLES, "service.drain_grace",
+       "on SIGTERM: seconds the work in flight gets to finish", kind=float),
+    _f("tls-cert", ROLES, "service.tls_cert",
+       "TLS certificate (PEM) of this service's port, shown when it calls a worker too",
+       optional=True, aliases=("ssl-certfile",)),
+    _f("tls-key", ROLES, "service.tls_key", "the certificate's private key (PEM)",
+       optional=True, aliases=("ssl-keyfile",)),
+    _f("tls-ca", ROLES, "service.tls_ca",
+       "CA certificate (PEM): workers want callers signed by it (mutual TLS), and every "
+       "service checks the workers it calls against it (the public API never asks its "
+       "callers for one)", optional=True, aliases=("ssl-ca-certs",)),
+    _f("tls-server-name", ("router", "decode"), "service.tls_server_name",
+       "the name the workers' certificates carry, checked instead of the address dialed "
+       "(workers found by dns:/// are dialed by IP)", optional=True),
+    _f("cluster-token", CLUSTER, "service.cluster_token",
+       "the secret the router and the workers share: a worker takes calls (health aside) "
+       "only with it, and a decode worker pulls KV only from prefill workers that prove "
+       "they hold it (at least 16 characters; prefer the variable or a file)",
+       optional=True, secret=True),
+    _f("cluster-token-file", CLUSTER, "service.cluster_token_file",
+       "a file holding the cluster token (one line)", optional=True),
+    _f("metrics-port", ROLES, "service.metrics_port",
+       "Prometheus /metrics on this HTTP port (0: none; the router also serves them on "
+       "--http-port), over TLS when the service has --tls-cert", kind=int),
+    _f("metrics-host", ROLES, "service.metrics_host",
+       "the address /metrics listens on (default: the host of --address)", optional=True),
+    _f("otlp-traces-endpoint", ROLES, "service.otlp_traces_endpoint",
+       "send OpenTelemetry traces to this OTLP gRPC collector (host:port, over TLS; "
+       "default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)",
+       optional=True),
+    _f("otlp-insecure", ROLES, "service.otlp_insecure",
+       "send traces in plaintext (else TLS, unless an http:// endpoint or "
+       "OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=true says otherwise)", kind=bool),
+    # -- engines
+    _f("model", ROLES, (("engine", "model"), ("router", "model")),
+       "a .gguf file, an HF model directory, or a hub id fetched into the HF cache "
+       "(default: SmolLM2-135M-Instruct); the router reads its tokenizer", optional=True),
+    _f("tokenizer", ROLES, (("engine", "tokenizer"), ("router", "tokenizer")),
+       "a tokenizer folder or hub id (default: the model's)", optional=True),
+    _f("revision", ROLES, (("engine", "revision"), ("router", "revision")),
+       "of a hub id: a branch, tag or commit (default: main)", optional=True),
+    _f("tokenizer-revision", ROLES,
+       (("engine", "tokenizer_revision"), ("router", "tokenizer_revision")),
+       "of a --tokenizer hub id (default: main)", optional=True),
+    _f("chat-template", ROLES, (("engine", "chat_template"), ("router", "chat_template")),
+       "a jinja chat template (a file, or the template itself) instead of the "
+       "tokenizer's; the router renders chats with it", optional=True),
+    _f("generation-config", WORKERS, "engine.generation_config",
+       "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
+       "sampling values; none: ignore it; or a folder holding one"),
+    _f("dtype", WORKERS, "engine.dtype",
+       "weights, activations and KV cache; auto: the checkpoint's, in bf16 on CPU and for "
+       "fp32 checkpoints", choices=DTYPES),
+    _f("device", WORKERS, "engine.device", "auto, cpu or cuda[:N]"),
+    _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
+    _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",
+       kind=float),
+    _f("gpu-memory-utilization", WORKERS, "engine.gpu_memory_utilization",
+       "CUDA: share of device memory for weights, activations and KV", kind=float),
+    _f("max-num-seqs", WORKERS, "engine.max_num_seqs", "requests in one batch", kind=int),
+    _f("max-num-batched-tokens", WORKERS, "engine.max_num_batched_tokens",
+       "tokens in one step (prefill chunks included)", kind=int),
+    _f("max-model-len", WORKERS, "engine.max_model_len",
+       "longest prompt + output (default: the model's, capped by the KV cache)", kind=int,
+       optional=True),
+    _f("enable-prefix-caching", WORKERS, "engine.enable_prefix_caching",
+       "reuse the KV of shared prompt prefixes", kind=bool),
+    _f("scheduling-policy", WORKERS, "engine.scheduling_policy",
+       "fcfs, or priority (a request's `priority`, smaller first)",
+       choices=("fcfs", "priority")),
+    _f("enforce-eager", WORKERS, "engine.enforce_eager", "CUDA: no CUDA graphs", kind=bool),
+    _f("attention-backend", WORKERS, "engine.attention_backend",
+       "default: the best that runs (CUDA: flash-attn, Triton, torch)",
+       choices=("flash-attn", "triton", "torch"), optional=True),
+    _f("load-format", WORKERS, "engine.load_format",
+       "dummy: random weights of the model's shapes, for benchmarks",
+       choices=("auto", "dummy")),
+    _f("seed", WORKERS, "engine.seed", "the sampler's seed for unseeded requests", kind=int),
+    _f("kv-lease-timeout", ("prefill",), "engine.kv_lease_timeout_s",
+       "prefill: seconds a handed-off request's blocks stay held for its decode worker",
+       kind=float),
+    _f("kv-load-failure-policy", ("decode",), "engine.kv_load_failure_policy",
+       "decode: when a KV pull fails, prefill locally (recompute) or fail the request",
+       choices=("recompute", "fail")),
+    _f("speculative-method", WORKERS, "spec.method",
+       "speculative decoding: ngram (prompt lookup) drafts, verified in one pass "
+       "(decode and colocated; default: off)", choices=("ngram",), optional=True),
+    _f("num-speculative-tokens", WORKERS, "spec.num_speculative_tokens",
+       "draft tokens per request and step", kind=int),
+    _f("ngram-min", WORKERS, "spec.ngram_min", "shortest n-gram the proposer matches",
+       kind=int),
+    _f("ngram-max", WORKERS, "spec.ngram_max", "longest n-gram the proposer matches",
+       kind=int),
+    _f("speculative-disable-by-batch-size", WORKERS, "spec.disable_batch_size",
+       "no drafts while more requests than this decode (the step is compute-bound)",
+       kind=int),
+    _f("grammar-compile-timeout", WORKERS, "engine.grammar_compile_timeout_s",
+       "structured output: seconds a grammar may take to compile; past it, the request "
+       "fails (INVALID_ARGUMENT)", kind=float),
+    _f("grammar-compile-threads", WORKERS, "engine.grammar_compile_threads",
+       "structured output: threads that compile grammars (never the engine's)", kind=int),
+    _f("grammar-compile-queue", WORKERS, "engine.grammar_compile_queue",
+       "structured output: grammar compiles queued or running at once; past it, "
+       "RESOURCE_EXHAUSTED", kind=int),
+    # -- workers
+    _f("engine-id", WORKERS, "worker.engine_id",
+       "a name for this engine (default: its role); each start adds a random suffix"),
+    _f("kv-transport", ("prefill", "decode"), "worker.kv_transport",
+       "how KV blocks move: nixl, or grpc (default: nixl when it loads)",
+       choices=("nixl", "grpc"), optional=True),
+    _f("max-queue", WORKERS, "worker.max_queue",
+       "requests that may wait; past it, RESOURCE_EXHAUSTED (default: 4 x max-num-seqs)",
+       kind=int, optional=True),
+    _f("threads", WORKERS, "worker.threads", "torch intra-op threads (default: torch's)",
+       kind=int, optional=True),
+    _f("engine-stall-timeout", WORKERS, "worker.engine_stall_timeout",
+       "seconds a step may take before the engine counts as stuck: health NOT_SERVING, "
+       "and the router moves its requests on", kind=float),
+    _f("inject-kv-failure", ("decode",), "worker.inject_kv_failure",
+       "test hook: every KV pull fails with this reason", optional=True, hidden=True),
+    # -- routers
+    _f("prefill", ("router",), "router.prefill",
+       "prefill workers: host:port, or dns:///name:port for every address of a DNS name "
+       "(dns://server/name:port asks that server); repeat, or comma-separate", kind=list),
+    _f("decode", ("router",), "router.decode",
+       "decode workers, as --prefill", kind=list),
+    _f("discovery-interval", ("router",), "router.discovery_interval",
+       "seconds between lookups of dns:/// names (workers join and leave)", kind=float),
+    _f("discovery-grace", ("router",), "router.discovery_grace",
+       "seconds a dns:/// name that answers no address (NXDOMAIN, no records) keeps the "
+       "workers it had before they retire", kind=float),
+    _f("routing", ("router",), "router.routing",
+       "kv: weigh each worker's cached prefix (its KV events) against its load; "
+       "load: load alone", choices=("kv", "load")),
+    _f("kv-overlap-weight", ("router",), "router.kv_overlap_weight",
+       "routing cost of each prompt token a worker does not hold", kind=float),
+    _f("load-weight", ("router",), "router.load_weight",
+       "routing cost of a unit of a worker's load (waiting x 4 + running), in prompt "
+       "tokens", kind=float),
+    _f("local-prefill-tokens", ("router",), "router.local_prefill_tokens",
+       "the decode worker prefills a prompt itself when it lacks at most this many of "
+       "its tokens (0: off)", kind=int),
+    _f("local-prefill-hit", ("router",), "router.local_prefill_hit",
+       "... or when it holds at least this share of the prompt's blocks (0: never)",
+       kind=float),
+    _f("tool-call-parser", ROUTERS, "router.tool_call_parser",
+       "how tool calls are found in a chat's text for tool_choice \"auto\" (the "
+       "model's format)", choices=tuple(TOOL_PARSERS), optional=True),
+    _f("enable-auto-tool-choice", ROUTERS, "router.enable_auto_tool_choice",
+       "serve tool_choice \"auto\" (the default with tools) with --tool-call-parser; "
+       "without it such a request is refused", kind=bool),
+    _f("reasoning-parser", ROUTERS, "router.reasoning_parser",
+       "split a chat's reasoning (reasoning_content) from its answer; structured output "
+       "and tool calls apply to the answer", choices=tuple(REASONING_PARSERS),
+       optional=True),
+    _f("max-inflight", ROUTERS, "router.max_inflight",
+       "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
+    _f("request-timeout", ROUTERS, "router.request_timeout",
+       "the deadline of a request whose client set none (seconds)", kind=float),
+    # -- the size of one request (router and colocated; README "Limits")
+    _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
+       kind=int),
+    _f("max-n", ROUTERS, "limits.max_n", "choices (n) per prompt", kind=int),
+    _f("max-messages", ROUTERS, "limits.max_messages", "messages in one chat", kind=int),
+    _f("max-prompt-chars", ROUTERS, "limits.max_prompt_chars",
+       "characters of prompt text and message contents in one request", kind=int),
+    _f("max-prompt-token-ids", ROUTERS, "limits.max_prompt_token_ids",
+       "prompt token ids in one request", kind=int),
+    _f("max-stop", ROUTERS, "limits.max_stop", "stop strings in one request", kind=int),
+    _f("max-stop-chars", ROUTERS, "limits.max_stop_chars", "characters of one stop string",
+       kind=int),
+    _f("max-stop-token-ids", ROUTERS, "limits.max_stop_token_ids",
+       "stop token ids in one request", kind=int),
+    _f("max-cache-salt-chars", ROUTERS, "limits.max_cache_salt_chars",
+       "characters of a cache_salt", kind=int),
+    _f("max-request-id-chars", ROUTERS, "limits.max_request_id_chars",
+       "characters of a request_id", kind=int),
+    _f("max-user-chars", ROUTERS, "limits.max_user_chars",
+       "characters of the OpenAI `user` field", kind=int),
+    _f("poll-interval", ("router",), "router.poll_interval",
+       "seconds between stats polls of every worker", kind=float),
+    _f("worker-timeout", ("router",), "router.worker_timeout",
+       "a worker silent this long is down (dead or frozen); its requests move on",
+       kind=float),
+    _f("http-port", ROUTERS, "router.http_port",
+       "the OpenAI-compatible HTTP API (and /metrics) on this port; 0: none", kind=int,
+       aliases=("port",)),
+    _f("served-model-name", ROLES,
+       (("router", "served_model_name"), ("engine", "served_model_name")),
+       "the model's name in GetModelInfo and the OpenAI API (default: the model's hub id, "
+       "file or folder name); a router's overrides its workers'", optional=True),
+    _f("api-key", ROUTERS, "router.api_keys",
+       "callers must send `Authorization: Bearer <key>` (repeat, or comma-separate)",
+       kind=list),
+    _f("api-key-file", ROUTERS, "router.api_key_file",
+       "a file of API keys, one a line", optional=True),
+    _f("shared-prefix-cache", ROUTERS, "router.shared_prefix_cache",
+       "with API keys: one prefix cache for every key's callers (they can then tell from "
+       "cached_tokens what others sent); default: one per key", kind=bool),
+    # -- LoRA adapters
+    _f("enable-lora", ROLES, (("engine", "enable_lora"), ("router", "enable_lora")),
+       "serve LoRA adapters: a request names one as its `model`", kind=bool),
+    _f("lora-modules", ROLES, (("engine", "lora_modules"), ("router", "lora_modules")),
+       "LoRA adapters served from the start: name=path or JSON", kind=list, spaced=True),
+    _f("allow-runtime-lora-updating", ROUTERS, "router.allow_runtime_lora_updating",
+       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs", kind=bool),
+    _f("max-loras", WORKERS, "engine.max_loras", "LoRA adapters in a step", kind=int),
+    _f("max-lora-rank", WORKERS, "engine.max_lora_rank", "largest LoRA rank", kind=int),
+    _f("max-cpu-loras", WORKERS, "engine.max_cpu_loras", "LoRA adapters held in host "
+       "memory (default: 4 x --max-loras)", kind=int, optional=True),
+]
