@@ -70,8 +70,8 @@ test-latest: $(STAMP) $(MODEL)
 	$(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes --no-index -r $(LOCK)/torch-cpu.txt \
 		2>/dev/null || $(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes \
 		--index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
-	echo "torch==$$($(LATEST)/bin/python -c 'import torch; print(torch.__version__)')" \
-		> $(LATEST)/torch-held.txt
+	echo "torch==$$($(LATEST)/bin/python -c 'from importlib.metadata import version; \
+		print(version("torch"))')" > $(LATEST)/torch-held.txt
 	$(LATEST)/bin/pip install -q --no-compile -c $(LATEST)/torch-held.txt \
 		-e '.[engine,nixl,http,test,dev]'
 	$(LATEST)/bin/pip list --format=freeze > $(LATEST)/versions.txt
