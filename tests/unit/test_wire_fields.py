@@ -2,19 +2,26 @@
 quotes a caller's value whole: each repeated or map field of the router's requests
 counted on the wire against a bound of its own (router/wire.py), found from the protos
 themselves so a new field cannot slip past; the engine's types count a wire message's
-lists before copying them; and `shown` cuts what an error quotes."""
+lists before copying them; `shown` cuts what an error quotes; and every string a chat
+template may render counts against --max-prompt-chars (gRPC and HTTP)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from baton.router import wire
+from baton.router.chat import check_chat
 from baton.router.config import RouterConfig
+from baton.router.openai.body import parse_body
+from baton.router.openai.protocol import ChatRequest
 from baton.router.server import build
 from baton.services.common.errors import shown
 from baton.services.common.limits import OverLimit
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.rpc.convert import sampling_params
+from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.server import Lifecycle, method_name
 from baton.v1 import generation_pb2 as gen
 from tests.unit.test_limits import SMALL, _len_field
@@ -123,3 +130,44 @@ def test_shown_cuts_a_value_to_its_start_and_says_its_size():
     assert shown(10**5000) == "<an integer of 16610 bits>"  # repr() would refuse it
     for value in ("a" * 10**6, ["x" * 10**6] * 3, {i: "y" * 500 for i in range(1000)}):
         assert len(shown(value)) < 200
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# Each string of a message that a template may render, as gRPC and as an HTTP body holds
+# it, 11 characters long (SMALL's --max-prompt-chars is 10).
+LONG = "x" * 11
+MESSAGE_STRINGS = [
+    ({"role": "tool", "tool_call_id": LONG}, gen.ChatMessage(role="tool", tool_call_id=LONG)),
+    ({"role": "user", "name": LONG}, gen.ChatMessage(role="user", name=LONG)),
+    ({"role": "assistant", "reasoning_content": LONG},
+     gen.ChatMessage(role="assistant", reasoning_content=LONG)),
+    ({"role": "user", "content": [{"type": "text", "text": LONG}]},
+     gen.ChatMessage(role="user", content=LONG)),
+    ({"role": "assistant", "tool_calls": [{**CALL, "id": LONG}]},
+     gen.ChatMessage(role="assistant", tool_calls=[gen.ToolCall(id=LONG)])),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": LONG,
+                                                                "arguments": "{}"}}]},
+     gen.ChatMessage(role="assistant", tool_calls=[gen.ToolCall(name=LONG)])),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f",
+                                                                "arguments": LONG}}]},
+     gen.ChatMessage(role="assistant", tool_calls=[gen.ToolCall(arguments=LONG)])),
+]
+
+
+@pytest.mark.parametrize("body, message", MESSAGE_STRINGS,
+                         ids=["tool_call_id", "name", "reasoning_content", "content part",
+                              "call id", "call name", "call arguments"])
+def test_every_string_a_template_renders_counts_against_the_prompt_chars(body, message):
+    with pytest.raises(OverLimit, match=r"^chat.messages: 11, over .*--max-prompt-chars"):
+        check_chat(gen.ChatMessages(messages=[message]), 10**6, SMALL)
+    raw = json.dumps({"model": "m", "messages": [body]}).encode()
+    with pytest.raises(OverLimit, match=r"^messages: 1\d, over .*--max-prompt-chars"):
+        parse_body(raw, ChatRequest, SMALL)
+
+
+def test_a_tool_call_id_counts_against_what_the_model_can_hold():
+    """The per-token bound (64 characters a token of max_model_len) counts it too."""
+    chat = gen.ChatMessages(messages=[gen.ChatMessage(role="tool", tool_call_id="x" * 65)])
+    with pytest.raises(InvalidArgument, match="^chat.messages: 65 characters of content "
+                       "cannot fit in 1 tokens"):
+        check_chat(chat, 64, SMALL.__class__(max_prompt_chars=100))
