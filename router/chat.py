@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from baton.router.chat_output import ChatOutput, NamedCall, RequiredCalls
 from baton.services.common import constraint_limits
+from baton.services.common.errors import shown
 from baton.services.common.limits import Limits
 from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.sampling_params import StructuredOutput
@@ -72,8 +73,10 @@ class Chat:
 def check_chat(chat: gen.ChatMessages, max_chars: int, limits: Limits,
                max_chars_per_token: int = 64) -> Chat:
     """The chat as the template takes it, or InvalidArgument naming the first bad field.
-    Message contents, reasoning, tool call arguments and tool schemas all count against
-    --max-prompt-chars, and against what `max_chars` (the model's length) can hold."""
+    Every string the template may render counts against --max-prompt-chars, and against
+    what `max_chars` (the model's length) can hold: message contents, names, reasoning,
+    tool call ids, names and arguments, tool result ids and tool schemas (the template
+    variables have a bound of their own, MAX_TEMPLATE_KWARGS_CHARS)."""
     if not chat.messages:
         raise InvalidArgument("chat.messages: empty; send at least one message")
     limits.check("max_messages", len(chat.messages), "chat.messages")
@@ -87,10 +90,11 @@ def check_chat(chat: gen.ChatMessages, max_chars: int, limits: Limits,
     total = 0
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidArgument(f"chat.messages[{i}].role: {m.role!r} is not one of "
-                                  f"{', '.join(CHAT_ROLES)}")
-        total += len(m.content) + len(m.reasoning_content) + len(m.name) + sum(
-            len(c.arguments) + len(c.name) + len(c.id) for c in m.tool_calls)
+            raise InvalidArgument(f"chat.messages[{i}].role: {shown(m.role)} is not one "
+                                  f"of {', '.join(CHAT_ROLES)}")
+        total += (len(m.content) + len(m.reasoning_content) + len(m.name)
+                  + len(m.tool_call_id) + sum(len(c.arguments) + len(c.name) + len(c.id)
+                                              for c in m.tool_calls))
     total += sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
     limits.check("max_prompt_chars", total, "chat.messages")
     if total > max_chars:
@@ -132,10 +136,10 @@ def _tools(tools) -> list[dict]:
     for i, t in enumerate(tools):
         where = f"chat.tools[{i}]"
         if not TOOL_NAME.fullmatch(t.name):
-            raise InvalidArgument(f"{where}.name: {t.name[:80]!r} is not 1 to 64 letters, "
+            raise InvalidArgument(f"{where}.name: {shown(t.name)} is not 1 to 64 letters, "
                                   "digits, '_' or '-'")
         if t.name in seen:
-            raise InvalidArgument(f"{where}.name: {t.name!r} is named twice")
+            raise InvalidArgument(f"{where}.name: {shown(t.name)} is named twice")
         seen.add(t.name)
         function: dict = {"name": t.name}
         if t.description:
@@ -167,7 +171,7 @@ def _template_kwargs(text: str) -> dict:
     value = _json_object(where, text)
     bad = next((k for k in value if not k.isidentifier()), None)
     if bad is not None:
-        raise InvalidArgument(f"{where}: {bad[:80]!r} is not a template variable name")
+        raise InvalidArgument(f"{where}: {shown(bad)} is not a template variable name")
     return value
 
 
@@ -257,7 +261,7 @@ def _tool_constraint(request: gen.GenerateRequest, tools: list[dict], mode: str
     if mode == "function":
         name = request.tool_choice.function
         if name not in params:
-            raise InvalidArgument(f"tool_choice: no tool is named {name[:80]!r}")
+            raise InvalidArgument(f"tool_choice: no tool is named {shown(name)}")
         schema = params[name]
     else:
         one = [{"type": "object", "properties": {"name": {"const": name},

@@ -7,8 +7,9 @@ these checks, then the parse, on the intake's parse threads once the call is aut
 message that holds a repeated field (the request, its chat and its messages, its token
 ids, its sampling, its structured output and its choices), one field at a time, and stop
 one past the limit, so a giant request is refused for the price of its first few
-thousand fields; long strings are measured on their bytes, never turned into Python
-strings.
+thousand fields; every repeated or map field is counted against a bound of its own (a
+packed list of ints is one field: its ints are counted on its bytes); long strings are
+measured on their bytes, never turned into Python strings.
 
 What the walk cannot skip is refused ("request: ..."), never passed on: a group (wire
 types 3 and 4: protobuf keeps an unknown one, and the walk would lose its place in the
@@ -29,6 +30,7 @@ from baton.services.common.limits import (
     Limits,
     check_bound,
 )
+from baton.services.common.sampling_params import MAX_START_AFTER
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
 
@@ -56,6 +58,7 @@ STRUCTURED = _number(gen.SamplingParams, "structured_output")
 LOGIT_BIAS = _number(gen.SamplingParams, "logit_bias")  # one map entry per field
 BAD_WORDS = _number(gen.SamplingParams, "bad_words")
 CHOICE, CHOICES = _number(gen.StructuredOutput, "choice"), _number(gen.Choices, "choices")
+START_AFTER = _number(gen.StructuredOutput, "start_after_token_ids")
 CONSTRAINT_STRINGS = {_number(gen.StructuredOutput, name): name
                       for name in ("json_schema", "regex", "grammar")}
 TOKENIZE_CHAT = _number(gen.TokenizeRequest, "chat")
@@ -96,6 +99,13 @@ def _varints(raw: bytes, start: int, end: int) -> int:
     """How many varints end in raw[start:end] (exact for a packed field)."""
     part = raw[start:end]
     return len(part) - len(part.translate(None, _LOW))
+
+
+def _packed(raw: bytes, kind: int, start: int, end: int, bound: int) -> int:
+    """The ints that field raw[start:end] of wire type `kind` holds (packed or one),
+    counted no further than one past `bound`: no varint is over 10 bytes, so a packed
+    field of 60M ids costs what one of `bound` does."""
+    return _varints(raw, start, min(end, start + 10 * (bound + 1))) if kind == LEN else 1
 
 
 class _Walk:
@@ -190,18 +200,23 @@ class _Walk:
                     check_bound(where, _chars(self.raw, a, b), BAD_WORD_CHARS_CEILING,
                                 "characters a word")
             elif number == STOP_TOKEN_IDS:
-                self.add("sampling.stop_token_ids", "max_stop_token_ids",
-                         _varints(self.raw, a, b) if kind == LEN else 1)
+                self.add("sampling.stop_token_ids", "max_stop_token_ids", _packed(
+                    self.raw, kind, a, b, self.limits.max_stop_token_ids))
             elif number == STRUCTURED and kind == LEN:
                 self.structured(a, b)
 
     def structured(self, start: int, end: int) -> None:
-        """The engine's fixed bounds on a constraint (constraint_limits.py)."""
+        """The engine's fixed bounds on a constraint (constraint_limits.py) and on its
+        start marker."""
         most = constraint_limits.MAX_CONSTRAINT_CHARS
-        for number, kind, a, b in self.fields(start, end):
-            if kind != LEN:
+        for number, kind, a, b in self.fields(start, end, frozenset({(START_AFTER, VARINT)})):
+            if number == START_AFTER:  # packed (one field of any length) or not
+                where = f"{STRUCTURED_FIELD}.start_after_token_ids"
+                count = self.tally(where, _packed(self.raw, kind, a, b, MAX_START_AFTER))
+                check_bound(where, count, MAX_START_AFTER, "token ids", more=True)
+            elif kind != LEN:
                 continue
-            if number in CONSTRAINT_STRINGS and b - a > most:  # no more characters than bytes
+            elif number in CONSTRAINT_STRINGS and b - a > most:  # no more characters than bytes
                 check_bound(f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}",
                             _chars(self.raw, a, b), most, "characters", more=True)
             elif number == CHOICE:
@@ -220,8 +235,8 @@ class _Walk:
 def check_generate(limits: Limits) -> Callable[[bytes], None]:
     """The raw check of Generate: chat messages, token ids, stop strings and their
     lengths, stop ids, logit_bias entries, bad_words and their lengths, the lengths of
-    text, cache_salt and request_id, and the structured-output constraint's choices and
-    size."""
+    text, cache_salt and request_id, and the structured-output constraint's choices, size
+    and start marker."""
     def check(raw: bytes) -> None:
         walk = _Walk(raw, limits)
         for number, kind, a, b in walk.fields(0, len(raw)):

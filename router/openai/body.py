@@ -43,6 +43,8 @@ ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
                 ("stop_token_ids",): "max_stop_token_ids", ("prompt",): "max_prompts",
                 ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES,
                 ("bad_words",): BAD_WORDS}
+# A chat message's strings, besides its content and tool calls, that a template renders.
+MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 # The members that hold a structured-output constraint: a constraint's text is bounded
 # (MAX_CONSTRAINT_CHARS), and every JSON value in it takes at least one character of it.
 CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
@@ -251,10 +253,23 @@ def check_counts(data: dict, limits: Limits) -> None:
 
 
 def _content_chars(message) -> int:
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content
-                   if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
+    """The characters of every string of a message that a chat template may render: its
+    content (or text parts), name, reasoning, tool result id, and its tool calls' ids,
+    names and arguments (as router/chat.py counts them on the wire's message)."""
+    if not isinstance(message, dict):
+        return 0
+    content = message.get("content")
+    parts = content if isinstance(content, list) else [{"text": content}]
+    total = sum(_chars(p.get("text")) for p in parts if isinstance(p, dict))
+    total += sum(_chars(message.get(key)) for key in MESSAGE_STRINGS)
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            total += _chars(call.get("id")) + _chars(function.get("name")) + _chars(
+                function.get("arguments"))
+    return total
+
+
+def _chars(value) -> int:
+    return len(value) if isinstance(value, str) else 0

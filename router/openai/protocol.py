@@ -21,6 +21,7 @@ from baton.router.openai.chat_fields import (
     tools_of,
 )
 from baton.router.openai.structured import structured_output
+from baton.services.common.errors import shown
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.rpc.convert import sampling_message
 from baton.services.rpc.errors import InvalidArgument
@@ -129,7 +130,7 @@ class Common(BaseModel):
         out = {}
         for key, bias in self.logit_bias.items():
             if not (key.strip().isascii() and key.strip().isdigit()):
-                raise InvalidArgument(f"logit_bias: key {key!r} is not a token id")
+                raise InvalidArgument(f"logit_bias: key {shown(key)} is not a token id")
             out[int(key)] = bias
         return out
 

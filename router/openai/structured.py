@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from baton.services.common import constraint_limits
+from baton.services.common.errors import shown
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.rpc.errors import InvalidArgument
 
@@ -53,7 +54,7 @@ def _response_format(value) -> StructuredOutput | None:
         return StructuredOutput("json_object")
     if kind != "json_schema":
         raise InvalidArgument(f"{field}: type must be 'text', 'json_object' or "
-                              f"'json_schema', got {kind!r}")
+                              f"'json_schema', got {shown(kind)}")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidArgument(f"{field}: type 'json_schema' needs a json_schema object "
@@ -61,7 +62,7 @@ def _response_format(value) -> StructuredOutput | None:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise InvalidArgument(f"{field}: json_schema.schema must be a JSON schema object, "
-                              f"got {_shown(schema)}")
+                              f"got {shown(schema)}")
     if spec.get("name") is not None and not isinstance(spec["name"], str):
         raise InvalidArgument(f"{field}: json_schema.name must be a string")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
@@ -78,7 +79,8 @@ def _structured_outputs(value) -> StructuredOutput:
             raise InvalidArgument(f"{field}: {key} is not supported")
     unknown = sorted(set(value) - set(KEYS) - set(REFUSED_OPTIONS) - {"disable_fallback"})
     if unknown:
-        raise InvalidArgument(f"{field}: unknown key {unknown[0]!r} (one of {', '.join(KEYS)})")
+        raise InvalidArgument(f"{field}: unknown key {shown(unknown[0])} (one of "
+                              f"{', '.join(KEYS)})")
     json_object = value.get("json_object")
     if json_object is not None and not isinstance(json_object, bool):
         raise InvalidArgument(f"{field}: json_object must be a boolean")
@@ -105,18 +107,13 @@ def _make(field: str, kind: str, value) -> StructuredOutput:
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c
                                                                for c in value):
             raise InvalidArgument(f"{field}: must be a list of one or more non-empty "
-                                  f"strings, got {_shown(value)}")
+                                  f"strings, got {shown(value)}")
         return StructuredOutput("choice", choices=tuple(value))
     if not isinstance(value, str) or not value:
         what = "a JSON schema (an object, or its JSON text)" if kind == "json" else \
             "a non-empty string"
-        raise InvalidArgument(f"{field}: must be {what}, got {_shown(value)}")
+        raise InvalidArgument(f"{field}: must be {what}, got {shown(value)}")
     try:
         return StructuredOutput(kind, value)
     except ValueError as e:
         raise InvalidArgument(f"{field}: {e}") from None
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+from baton.services.common.errors import shown
+
 _NAME = re.compile(r"[\w.:@+/-]{1,128}", re.ASCII)
 
 
@@ -16,12 +18,6 @@ def check_name(name: str) -> str:
         raise ValueError(f"LoRA adapter name {shown(name)}: 1 to 128 ASCII letters, digits "
                          "and ._:@+/-")
     return name
-
-
-def shown(name) -> str:
-    """A name for an error message: its repr, cut to 80 characters."""
-    text = repr(name)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_lora_module(spec: str) -> tuple[str, str]:
@@ -37,5 +33,6 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
     elif isinstance(spec, str) and "=" in spec:
         name, path = (p.strip() for p in spec.split("=", 1))
     if not (isinstance(path, str) and path):
-        raise ValueError(f"LoRA module {spec!r}: give name=path, or JSON with name and path")
+        raise ValueError(f"LoRA module {shown(spec)}: give name=path, or JSON with name and "
+                         "path")
     return check_name(name), path

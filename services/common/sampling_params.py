@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.services.common import constraint_limits
+from baton.services.common.errors import shown
 from baton.services.common.limits import (
     BAD_WORD_CHARS_CEILING,
     BAD_WORDS_CEILING,
@@ -43,17 +44,21 @@ class StructuredOutput:
     start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "choices", tuple(self.choices))
-        object.__setattr__(self, "start_after", tuple(self.start_after))
-        if len(self.start_after) > MAX_START_AFTER or any(
-                isinstance(t, bool) or not isinstance(t, int) or t < 0
-                for t in self.start_after):
+        # Counted before a tuple is built of them (a wire message's lists are taken as
+        # they are), and before any parse.
+        if len(self.start_after) > MAX_START_AFTER:
             raise ValueError(f"structured output start_after: at most {MAX_START_AFTER} "
-                             f"token ids (ints >= 0), got {self.start_after!r}")
+                             f"token ids, got {len(self.start_after)}")
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
-                             f"got {self.kind!r}")
-        constraint_limits.check(self.kind, self.spec, self.choices)  # before any parse
+                             f"got {shown(self.kind)}")
+        constraint_limits.check(self.kind, self.spec, self.choices)
+        object.__setattr__(self, "choices", tuple(self.choices))
+        object.__setattr__(self, "start_after", tuple(self.start_after))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+               for t in self.start_after):
+            raise ValueError(f"structured output start_after: token ids are ints >= 0, got "
+                             f"{shown(self.start_after)}")
         if self.kind == "choice":
             if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
                 raise ValueError("structured output choice: needs one or more non-empty "
@@ -116,46 +121,50 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but store tuples, so the object stays hashable/frozen.
         for name in ("stop", "bad_words"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(
-            bias.items() if isinstance(bias, Mapping) else bias))
-        # Counted first: every later check (and the engine's stop matcher) is per item.
+        # Counted first, before a tuple is built of them (a wire message's lists are taken
+        # as they are): every later check (and the engine's stop matcher) is per item.
         check_ceiling("stop", len(self.stop), STOP_CEILING, "strings")
         check_ceiling("stop_token_ids", len(self.stop_token_ids), STOP_TOKEN_IDS_CEILING,
                       "ids")
-        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
-        check_ceiling("stop strings", longest, STOP_CHARS_CEILING, "characters")
         check_ceiling("logit_bias", len(self.logit_bias), LOGIT_BIAS_CEILING, "entries")
         check_ceiling("bad_words", len(self.bad_words), BAD_WORDS_CEILING, "words")
+        # Stored as tuples, so the object stays hashable and frozen.
+        for name in ("stop", "bad_words", "stop_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(
+            bias.items() if isinstance(bias, Mapping) else bias))
+        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
+        check_ceiling("stop strings", longest, STOP_CHARS_CEILING, "characters")
         longest = max((len(w) for w in self.bad_words if isinstance(w, str)), default=0)
         check_ceiling("bad_words", longest, BAD_WORD_CHARS_CEILING, "characters a word")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer >= 1, got "
+                             f"{shown(self.max_tokens)}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be an integer >= 0, got "
+                             f"{shown(self.min_tokens)}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                              f"({self.max_tokens})")
         self._check_logit_bias()
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
-            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+            raise ValueError(f"bad_words must be non-blank strings, got "
+                             f"{shown(self.bad_words)}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise ValueError(f"{name} must be a finite number, got {shown(value)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {shown(self.top_k)}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.repetition_penalty <= 0:
@@ -167,17 +176,18 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be in [0, 20], got {shown(self.logprobs)}")
         if any(not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+            raise ValueError(f"stop strings must be non-empty, got {shown(self.stop)}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError(
-                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+                f"stop_token_ids must be non-negative ints, got {shown(self.stop_token_ids)}"
             )
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            raise ValueError(f"seed must be an int, got {shown(self.seed)}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+            raise ValueError(f"structured must be a StructuredOutput, got "
+                             f"{shown(self.structured)}")
 
     def _check_logit_bias(self) -> None:
         """Pairs of a token id and a finite bias in [-100, 100], each id once; stored
@@ -185,15 +195,16 @@ class SamplingParams:
         pairs = []
         for pair in self.logit_bias:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+                raise ValueError(f"logit_bias must map token ids to biases, got "
+                                 f"{shown(pair)}")
             token, bias = pair
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got "
-                                 f"{token!r}")
+                                 f"{shown(token)}")
             if (isinstance(bias, bool) or not isinstance(bias, (int, float))
                     or not -100.0 <= bias <= 100.0):  # NaN fails this too
                 raise ValueError(f"logit_bias of token {token} must be a number in "
-                                 f"[-100, 100], got {bias!r}")
+                                 f"[-100, 100], got {shown(bias)}")
             pairs.append((token, float(bias)))
         pairs.sort()
         dup = next((a for (a, _), (b, _) in zip(pairs, pairs[1:], strict=False) if a == b),

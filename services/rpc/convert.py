@@ -43,10 +43,11 @@ def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> Sa
     TypeError, naming the field, if SamplingParams refuses them."""
     kw = dict(defaults or {})
     kw.update((name, getattr(msg, name)) for name in _OPTIONAL if msg.HasField(name))
+    # The message's lists go as they are: SamplingParams counts each before it copies it.
     if msg.stop:
-        kw["stop"] = tuple(msg.stop)
+        kw["stop"] = msg.stop
     if msg.stop_token_ids:
-        kw["stop_token_ids"] = tuple(msg.stop_token_ids)
+        kw["stop_token_ids"] = msg.stop_token_ids
     if msg.ignore_eos:
         kw["ignore_eos"] = True
     if msg.include_stop_str_in_output:
@@ -54,9 +55,9 @@ def sampling_params(msg: gen.SamplingParams, defaults: dict | None = None) -> Sa
     if msg.HasField("structured_output"):
         kw["structured"] = structured_of(msg.structured_output)
     if msg.logit_bias:
-        kw["logit_bias"] = dict(msg.logit_bias)
+        kw["logit_bias"] = msg.logit_bias
     if msg.bad_words:
-        kw["bad_words"] = tuple(msg.bad_words)
+        kw["bad_words"] = msg.bad_words
     return SamplingParams(**kw)
 
 
@@ -81,9 +82,9 @@ def sampling_message(**kw) -> gen.SamplingParams:
 
 def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
     """The wire's constraint as the engine's; ValueError if none is set or it is malformed
-    (the checks are StructuredOutput's own)."""
+    (the checks are StructuredOutput's own, each list counted before it is copied)."""
     which = msg.WhichOneof("constraint")
-    after = tuple(msg.start_after_token_ids)
+    after = msg.start_after_token_ids
     if which == "json_schema":
         return StructuredOutput("json", msg.json_schema, start_after=after)
     if which == "json_object":
@@ -91,7 +92,7 @@ def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
             raise ValueError("structured output json_object: must be true when set")
         return StructuredOutput("json_object", start_after=after)
     if which == "choice":
-        return StructuredOutput("choice", choices=tuple(msg.choice.choices), start_after=after)
+        return StructuredOutput("choice", choices=msg.choice.choices, start_after=after)
     if which in ("regex", "grammar"):
         return StructuredOutput(which, getattr(msg, which), start_after=after)
     raise ValueError("structured output: no constraint set (json_schema, json_object, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from baton.kv_transfer.blocks import read_blocks
+from baton.services.common.errors import shown
 from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
 from baton.services.rpc.server import Lifecycle
 from baton.services.worker import lora_calls
@@ -88,4 +89,4 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         held = self.aengine.lease_blocks(rid, lease_id)
         if held is None or not set(ids) <= set(held):
             raise FailedPrecondition(f"blocks are not held under lease {lease_id} of "
-                                     f"request {rid!r} ({when} the read)")
+                                     f"request {shown(rid)} ({when} the read)")
