@@ -43,7 +43,7 @@ def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[F
             except ValueError as e:
                 raise EnvError(flag, raw, str(e)) from None
         shown = ",".join(default) if isinstance(default, list) else default
-        if flag.secret and default is not None:
+        if flag.secret and default:
             shown = "(set)"
         help_text = argparse.SUPPRESS if flag.hidden else (
             f"{flag.help} [{flag.env}; default: {shown}]")

@@ -77,9 +77,9 @@ def up(args, flags: list[Flag]) -> None:
         names[proc.pid] = "router"
         wait_healthy(router, proc, args.startup_timeout,
                      client_credentials(args.tls_ca) if args.tls_cert else None)
-        key = keys[0] if keys else None  # the banner's own call, and the one it shows
+        key = keys[0] if keys else None  # the banner's own call (never shown)
         print(banner(args, metrics, served_name(router, key, args.tls_cert and args.tls_ca),
-                     key), flush=True)
+                     keyed=bool(keys)), flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -143,31 +143,36 @@ def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
     return info.served_model_name or info.model.removesuffix(".gguf")
 
 
-def banner(args, metrics: dict[str, int], model: str, api_key: str | None = None) -> str:
+def banner(args, metrics: dict[str, int], model: str, keyed: bool = False) -> str:
+    """How to call the services. With API keys, the calls read the key from
+    $BATON_API_KEY: a banner goes to terminals, logs and screenshots, a key must not."""
     host = reachable(args.host)
     host = "localhost" if is_loopback(host) else host
     http, grpc_at = f"http://{address(host, args.http_port)}", address(host, args.port)
-    key = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    tool_key = f" --api-key {api_key}" if api_key else ""
-    grpc_key = f" -H 'authorization: Bearer {api_key}'" if api_key else ""
+    key = ' -H "Authorization: Bearer $BATON_API_KEY"' if keyed else ""
+    grpc_key = ' -H "authorization: Bearer $BATON_API_KEY"' if keyed else ""
     chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-    sdk = (f"import openai; c = openai.OpenAI(base_url='{http}/v1', "
-           f"api_key='{api_key or 'none'}'); "
+    imports, sdk_key = ("os, openai", "os.environ['BATON_API_KEY']") if keyed else (
+        "openai", "'none'")
+    sdk = (f"import {imports}; c = openai.OpenAI(base_url='{http}/v1', api_key={sdk_key}); "
            "print(c.chat.completions.create(model=c.models.list().data[0].id, "
            "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)")
+    where_key = (["These read an API key of the router from $BATON_API_KEY: export it first.",
+                  ""] if keyed else [])
     return "\n".join([
         "",
         f"Baton is up: the OpenAI API on {http}/v1, gRPC on {grpc_at}",
         f"(prefill :{args.prefill_port}, decode :{args.decode_port}; /metrics on "
         f":{args.http_port}, :{metrics['prefill']} and :{metrics['decode']}). Try:",
         "",
+        *where_key,
         f"  curl {http}/v1/chat/completions{key} -H 'Content-Type: application/json' \\",
         f"    -d '{chat}'",
         "",
         f'  .venv/bin/python -c "{sdk}"',
         "",
         "  .venv/bin/baton generate --chat 'What is the capital of France?' "
-        f"--address {grpc_at}{tool_key}",
+        f"--address {grpc_at}",
         f"  grpcurl -plaintext{grpc_key} -d '{{\"text\": \"Hello\"}}' {grpc_at} "
         "baton.v1.Generation/Generate",
         "",

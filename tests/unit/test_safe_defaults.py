@@ -1,7 +1,8 @@
 """Defaults that are safe: /metrics listens where its service does and over its TLS; a
 service that listens beyond loopback with nothing that says who may call warns loudly;
 traces go over TLS unless told otherwise and OTel's own variables count; `baton up
---api-key a,b` serves with both keys and its banner's own call passes."""
+--api-key a,b` serves with both keys and its banner's own call passes; API keys never
+show in a repr, --help or the banner."""
 
 from __future__ import annotations
 
@@ -203,3 +204,38 @@ def test_up_gives_the_router_every_key_and_calls_it_with_the_first(monkeypatch):
             await server.stop(0)
 
     asyncio.run(main())
+
+
+# ---- API keys: never shown -----------------------------------------------------------
+
+SECRET = "s3cret-api-key"
+
+
+def test_api_keys_never_show_in_a_repr_or_help(monkeypatch, capsys):
+    assert SECRET not in repr(RouterConfig(api_keys=(SECRET,)))
+    monkeypatch.setenv("BATON_API_KEY", SECRET)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--role", "router", "--help"])
+    out = capsys.readouterr().out
+    assert "BATON_API_KEY" in out and SECRET not in out
+
+
+def test_baton_up_banner_shows_the_variable_never_the_key(monkeypatch, capsys):
+    class Exited:  # each child "exits" at once: `up` prints its banner, then stops
+        pid, returncode = 1, 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(up_module, "spawn", lambda *a, **kw: Exited())
+    monkeypatch.setattr(up_module, "wait_healthy", lambda *a, **kw: None)
+    monkeypatch.setattr(up_module, "stop_all", lambda procs: None)
+    monkeypatch.setattr(up_module, "served_name", lambda *a: "smol")
+    monkeypatch.setattr(up_module.signal, "signal", lambda *a: None)
+    monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
+    args, flags = parse(["up", "--api-key", SECRET])
+    with pytest.raises(SystemExit):
+        up_module.up(args, flags)
+    out = capsys.readouterr().out
+    assert "Bearer $BATON_API_KEY" in out and "baton generate" in out
+    assert SECRET not in out
