@@ -205,7 +205,7 @@ FLAGS: list[Flag] = [
        "file or folder name); a router's overrides its workers'", optional=True),
     _f("api-key", ROUTERS, "router.api_keys",
        "callers must send `Authorization: Bearer <key>` (repeat, or comma-separate)",
-       kind=list, secret=True),
+       kind=list, secret=True, vllm_env="VLLM_API_KEY"),
     _f("api-key-file", ROUTERS, "router.api_key_file",
        "a file of API keys, one a line", optional=True),
     _f("shared-prefix-cache", ROUTERS, "router.shared_prefix_cache",

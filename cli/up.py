@@ -35,7 +35,8 @@ def add_parser(sub, with_flags: bool) -> list[Flag]:
                    "0.0.0.0: every interface, and then set --api-key)")
     p.add_argument("--api-key", action="append",
                    help="callers must send `Authorization: Bearer <key>` (repeat, or "
-                   "comma-separate) [BATON_API_KEY; BATON_API_KEY_FILE adds a file's]")
+                   "comma-separate) [BATON_API_KEY, else VLLM_API_KEY; BATON_API_KEY_FILE "
+                   "adds a file's]")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return add_flags(p, ("prefill", "decode")) if with_flags else []
 
@@ -107,8 +108,12 @@ def cluster_env(args) -> dict[str, str]:
 
 
 def given_keys(args) -> list[str]:
-    """--api-key (or BATON_API_KEY), comma-separated or repeated."""
-    given = args.api_key or [os.environ.get("BATON_API_KEY", "")]
+    """--api-key (or BATON_API_KEY), comma-separated or repeated; else VLLM_API_KEY, one
+    key (as vLLM reads it)."""
+    if not args.api_key and "BATON_API_KEY" not in os.environ:
+        key = os.environ.get("VLLM_API_KEY", "").strip()
+        return [key] if key else []
+    given = args.api_key or [os.environ["BATON_API_KEY"]]
     return [k.strip() for v in given for k in v.split(",") if k.strip()]
 
 
@@ -126,8 +131,8 @@ def router_launch(args, flags: list[Flag], prefill: str, decode: str, env: dict[
     argv = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode", decode,
             "--http-port", str(args.http_port)]
     env = {k: v for k, v in env.items() if k != "BATON_API_KEY"}
-    if keys := given_keys(args):
-        env["BATON_API_KEY"] = ",".join(keys)
+    if args.api_key or "BATON_API_KEY" in os.environ:  # else VLLM_API_KEY, as it is
+        env["BATON_API_KEY"] = ",".join(given_keys(args))
     return argv, env
 
 
