@@ -1,14 +1,12 @@
 """Colocated mode: one process, one engine that prefills and decodes, behind the same
 router as the disaggregated system (validation, tokenizing, admission, deadlines,
-streaming, the HTTP API, metrics), which calls the engine's decode servicer in-process:
-no network hop, no second implementation of Generate. The baseline that disaggregation
-is measured against."""
+streaming, the HTTP API, metrics), which calls the engine's decode and worker servicers
+in-process: no network hop, no second implementation of Generate, and no worker RPC on
+the public port. The baseline that disaggregation is measured against."""
 
 from __future__ import annotations
 
 import asyncio
-
-import grpc
 
 from baton.decode_worker.peers import Peers
 from baton.decode_worker.server import DecodeServicer
@@ -17,15 +15,13 @@ from baton.router.config import RouterConfig
 from baton.router.server import build, run
 from baton.services.rpc import tracing
 from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, method_name, service_name
+from baton.services.rpc.server import Lifecycle, method_name
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.runtime import make_engine
 from baton.services.worker.worker_service import WorkerServicer
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
 
 
 def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
@@ -45,19 +41,16 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
         # Its own lifecycle: a drain of this service must not make its router think the
         # engine drains (the router would then refuse what it accepted before SIGTERM).
         stats = WorkerServicer(aengine, worker.engine_id, "colocated", Lifecycle())
+        # Only the router calls its worker, and in-process: the worker's own services
+        # (loads of adapters at any version, KV events, Prefill and Decode) are never on
+        # the public port, whatever API key a caller holds.
         router = build(router_config, lifecycle, [],
                        [LocalWorkerClient(worker.service.address, decode, stats)])
-
-        def register_more(server: grpc.aio.Server) -> list[str]:
-            wk_grpc.add_WorkerServiceServicer_to_server(stats, server)
-            return [service_name(wk, "WorkerService")]
 
         async def stop():
             aengine.stop()
 
-        await run(router_config, router, lifecycle, register_more,
-                  idle=lambda: aengine.stats.idle, on_stop=stop, registries=[metrics.registry],
-                  guarded=[method_name(wk, "WorkerService", m.name) for m in
-                           wk.DESCRIPTOR.services_by_name["WorkerService"].methods])
+        await run(router_config, router, lifecycle, idle=lambda: aengine.stats.idle,
+                  on_stop=stop, registries=[metrics.registry])
 
     asyncio.run(main())

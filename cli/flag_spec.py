@@ -37,6 +37,9 @@ class Flag:
     secret: bool = False  # never in --help or in a child's argv (baton up: env instead)
     aliases: tuple[str, ...] = ()  # other names of the flag (vLLM's), without dashes
     spaced: bool = False  # a list given as `--flag a b` (vLLM's nargs), never comma-split
+    # vLLM's variable for the flag, read when its BATON_ one is unset, whole (one value, as
+    # vLLM reads it): a vLLM user's setting is never dropped.
+    vllm_env: str | None = None
 
     @property
     def dest(self) -> str:
@@ -52,6 +55,20 @@ class Flag:
         field = next(f for f in dataclasses.fields(CONFIGS[config]) if f.name == name)
         value = field.default
         return list(value) if isinstance(value, tuple) else value
+
+    def from_env(self, environ) -> tuple[str, str] | None:
+        """(the variable, its text) this flag takes from `environ`, or None."""
+        if self.env in environ:
+            return self.env, environ[self.env]
+        if self.vllm_env and self.vllm_env in environ:
+            return self.vllm_env, environ[self.vllm_env]
+        return None
+
+    def parse_env(self, name: str, raw: str):
+        """A value from the text of variable `name`: vLLM's is one value, unsplit."""
+        if name == self.vllm_env and self.kind is list:
+            return [raw.strip()] if raw.strip() else []
+        return self.parse(raw)
 
     def parse(self, raw: str):
         """A value from its text (an environment variable): ValueError says why not."""

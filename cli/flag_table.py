@@ -30,6 +30,9 @@ FLAGS: list[Flag] = [
        optional=True, secret=True),
     _f("cluster-token-file", CLUSTER, "service.cluster_token_file",
        "a file holding the cluster token (one line)", optional=True),
+    _f("insecure-no-cluster-auth", ("prefill", "decode"), "worker.insecure_no_cluster_auth",
+       "start a worker that listens beyond loopback with neither a cluster token nor "
+       "mutual TLS (else it refuses to): anyone who reaches it can call it", kind=bool),
     _f("metrics-port", ROLES, "service.metrics_port",
        "Prometheus /metrics on this HTTP port (0: none; the router also serves them on "
        "--http-port), over TLS when the service has --tls-cert", kind=int),
@@ -202,7 +205,7 @@ FLAGS: list[Flag] = [
        "file or folder name); a router's overrides its workers'", optional=True),
     _f("api-key", ROUTERS, "router.api_keys",
        "callers must send `Authorization: Bearer <key>` (repeat, or comma-separate)",
-       kind=list),
+       kind=list, secret=True, vllm_env="VLLM_API_KEY"),
     _f("api-key-file", ROUTERS, "router.api_key_file",
        "a file of API keys, one a line", optional=True),
     _f("shared-prefix-cache", ROUTERS, "router.shared_prefix_cache",

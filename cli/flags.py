@@ -27,8 +27,8 @@ from baton.cli.flag_table import FLAGS
 
 
 class EnvError(SystemExit):
-    def __init__(self, flag: Flag, raw: str, why: str):
-        super().__init__(f"baton: {flag.env}={raw!r}: {why}")
+    def __init__(self, flag: Flag, raw: str, why: str, name: str | None = None):
+        super().__init__(f"baton: {name or flag.env}={raw!r}: {why}")
 
 
 def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[Flag]:
@@ -36,17 +36,19 @@ def add_flags(parser: argparse.ArgumentParser, roles: tuple[str, ...]) -> list[F
     flags = [f for f in FLAGS if set(f.roles) & set(roles)]
     for flag in flags:
         default = flag.default
-        raw = os.environ.get(flag.env)
-        if raw is not None:
+        given = flag.from_env(os.environ)
+        if given is not None:
+            name, raw = given
             try:
-                default = flag.parse(raw)
+                default = flag.parse_env(name, raw)
             except ValueError as e:
-                raise EnvError(flag, raw, str(e)) from None
+                raise EnvError(flag, raw, str(e), name) from None
         shown = ",".join(default) if isinstance(default, list) else default
-        if flag.secret and default is not None:
+        if flag.secret and default:
             shown = "(set)"
+        variables = f"{flag.env}, else {flag.vllm_env}" if flag.vllm_env else flag.env
         help_text = argparse.SUPPRESS if flag.hidden else (
-            f"{flag.help} [{flag.env}; default: {shown}]")
+            f"{flag.help} [{variables}; default: {shown}]")
         kw: dict = {"default": default, "help": help_text, "dest": flag.dest}
         if flag.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction

@@ -51,8 +51,9 @@ def _serve_parser(sub, role: str | None) -> list[Flag]:
                    default=os.environ.get("BATON_ROLE") or DEFAULT_ROLE,
                    help=f"[BATON_ROLE; default: {DEFAULT_ROLE}]")
     p.add_argument("--address", default=os.environ.get("BATON_ADDRESS"),
-                   help="host:port of the gRPC API [BATON_ADDRESS; default: 0.0.0.0 and the "
-                   f"role's port: {DEFAULT_PORTS}]")
+                   help="host:port of the gRPC API [BATON_ADDRESS; default: the role's port "
+                   f"{DEFAULT_PORTS}, on 0.0.0.0 for the router and colocated, on "
+                   "127.0.0.1 for prefill and decode workers]")
     p.add_argument("--host", default=os.environ.get("BATON_HOST"),
                    help="the host every port of the service listens on (gRPC, the HTTP API, "
                    "/metrics): replaces the host of --address [BATON_HOST]")
@@ -91,6 +92,8 @@ def _serve(args, flags: list[Flag]) -> None:
 
                 worker["kv_transport"] = default_transport()
             config = WorkerConfig(engine=engine, service=service, **worker)
+            if role != "colocated":  # before the model loads: one line, at once
+                config.check_cluster_auth()
     except ValueError as e:
         fail(str(e))
     warn_if_open(role, service, router)
@@ -113,9 +116,11 @@ def _serve(args, flags: list[Flag]) -> None:
 
 
 def serve_address(args: argparse.Namespace) -> str:
-    """Where a served role's gRPC API listens: --address (or the role's default port on
-    every interface), on --host when it is given."""
-    address = args.address or f"0.0.0.0:{DEFAULT_PORTS[args.role]}"
+    """Where a served role's gRPC API listens: --address (or the role's default port: on
+    every interface for the public API, on loopback for a worker), on --host when it is
+    given."""
+    host = "127.0.0.1" if args.role in ("prefill", "decode") else "0.0.0.0"
+    address = args.address or f"{host}:{DEFAULT_PORTS[args.role]}"
     if not args.host:
         return address
     port = address.rsplit(":", 1)[1] if ":" in address else ""

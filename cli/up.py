@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 
-from baton.cli.exposure import address, is_loopback, open_to_anyone, reachable
+from baton.cli.exposure import address, open_to_anyone, reachable
 from baton.cli.flags import Flag, add_flags, argv_for
 from baton.router.config import RouterConfig
-from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.config import ServiceConfig, is_loopback
 from baton.services.rpc.processes import dial, spawn, stop_all, wait_healthy
 from baton.services.rpc.security import client_credentials, load_keys
 
@@ -35,7 +35,8 @@ def add_parser(sub, with_flags: bool) -> list[Flag]:
                    "0.0.0.0: every interface, and then set --api-key)")
     p.add_argument("--api-key", action="append",
                    help="callers must send `Authorization: Bearer <key>` (repeat, or "
-                   "comma-separate) [BATON_API_KEY; BATON_API_KEY_FILE adds a file's]")
+                   "comma-separate) [BATON_API_KEY, else VLLM_API_KEY; BATON_API_KEY_FILE "
+                   "adds a file's]")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     return add_flags(p, ("prefill", "decode")) if with_flags else []
 
@@ -77,9 +78,9 @@ def up(args, flags: list[Flag]) -> None:
         names[proc.pid] = "router"
         wait_healthy(router, proc, args.startup_timeout,
                      client_credentials(args.tls_ca) if args.tls_cert else None)
-        key = keys[0] if keys else None  # the banner's own call, and the one it shows
+        key = keys[0] if keys else None  # the banner's own call (never shown)
         print(banner(args, metrics, served_name(router, key, args.tls_cert and args.tls_ca),
-                     key), flush=True)
+                     keyed=bool(keys)), flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -107,8 +108,12 @@ def cluster_env(args) -> dict[str, str]:
 
 
 def given_keys(args) -> list[str]:
-    """--api-key (or BATON_API_KEY), comma-separated or repeated."""
-    given = args.api_key or [os.environ.get("BATON_API_KEY", "")]
+    """--api-key (or BATON_API_KEY), comma-separated or repeated; else VLLM_API_KEY, one
+    key (as vLLM reads it)."""
+    if not args.api_key and "BATON_API_KEY" not in os.environ:
+        key = os.environ.get("VLLM_API_KEY", "").strip()
+        return [key] if key else []
+    given = args.api_key or [os.environ["BATON_API_KEY"]]
     return [k.strip() for v in given for k in v.split(",") if k.strip()]
 
 
@@ -126,8 +131,8 @@ def router_launch(args, flags: list[Flag], prefill: str, decode: str, env: dict[
     argv = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode", decode,
             "--http-port", str(args.http_port)]
     env = {k: v for k, v in env.items() if k != "BATON_API_KEY"}
-    if keys := given_keys(args):
-        env["BATON_API_KEY"] = ",".join(keys)
+    if args.api_key or "BATON_API_KEY" in os.environ:  # else VLLM_API_KEY, as it is
+        env["BATON_API_KEY"] = ",".join(given_keys(args))
     return argv, env
 
 
@@ -143,31 +148,36 @@ def served_name(router: str, api_key: str | None, ca: str | None = None) -> str:
     return info.served_model_name or info.model.removesuffix(".gguf")
 
 
-def banner(args, metrics: dict[str, int], model: str, api_key: str | None = None) -> str:
+def banner(args, metrics: dict[str, int], model: str, keyed: bool = False) -> str:
+    """How to call the services. With API keys, the calls read the key from
+    $BATON_API_KEY: a banner goes to terminals, logs and screenshots, a key must not."""
     host = reachable(args.host)
     host = "localhost" if is_loopback(host) else host
     http, grpc_at = f"http://{address(host, args.http_port)}", address(host, args.port)
-    key = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    tool_key = f" --api-key {api_key}" if api_key else ""
-    grpc_key = f" -H 'authorization: Bearer {api_key}'" if api_key else ""
+    key = ' -H "Authorization: Bearer $BATON_API_KEY"' if keyed else ""
+    grpc_key = ' -H "authorization: Bearer $BATON_API_KEY"' if keyed else ""
     chat = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-    sdk = (f"import openai; c = openai.OpenAI(base_url='{http}/v1', "
-           f"api_key='{api_key or 'none'}'); "
+    imports, sdk_key = ("os, openai", "os.environ['BATON_API_KEY']") if keyed else (
+        "openai", "'none'")
+    sdk = (f"import {imports}; c = openai.OpenAI(base_url='{http}/v1', api_key={sdk_key}); "
            "print(c.chat.completions.create(model=c.models.list().data[0].id, "
            "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)")
+    where_key = (["These read an API key of the router from $BATON_API_KEY: export it first.",
+                  ""] if keyed else [])
     return "\n".join([
         "",
         f"Baton is up: the OpenAI API on {http}/v1, gRPC on {grpc_at}",
         f"(prefill :{args.prefill_port}, decode :{args.decode_port}; /metrics on "
         f":{args.http_port}, :{metrics['prefill']} and :{metrics['decode']}). Try:",
         "",
+        *where_key,
         f"  curl {http}/v1/chat/completions{key} -H 'Content-Type: application/json' \\",
         f"    -d '{chat}'",
         "",
         f'  .venv/bin/python -c "{sdk}"',
         "",
         "  .venv/bin/baton generate --chat 'What is the capital of France?' "
-        f"--address {grpc_at}{tool_key}",
+        f"--address {grpc_at}",
         f"  grpcurl -plaintext{grpc_key} -d '{{\"text\": \"Hello\"}}' {grpc_at} "
         "baton.v1.Generation/Generate",
         "",

@@ -41,7 +41,8 @@ class RouterConfig:
     worker_timeout: float = 3.0  # a worker silent this long is down (dead or frozen)
     http_port: int = 8000  # the OpenAI-compatible API and /metrics; 0: none (vLLM's port)
     served_model_name: str | None = None  # the model's name in the OpenAI API
-    api_keys: tuple[str, ...] = ()  # callers must bring one of these; none: anyone
+    # Callers must bring one of these; none: anyone. Never shown in a repr.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_key_file: str | None = None  # more keys, one a line
     # With keys, each key's callers have a prefix cache of their own; True: one for all.
     shared_prefix_cache: bool = False

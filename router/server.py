@@ -96,11 +96,11 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                               config.allow_runtime_lora_updating))
 
 
-async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,
-              idle=None, on_stop=None, registries=(), guarded=()) -> None:
+async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,
+              on_stop=None, registries=()) -> None:
     """Serve `router` over gRPC (and HTTP when config.http_port) until SIGTERM, drain,
-    stop. `register_more(server)` adds other services (a colocated worker's), and
-    `registries` more metrics to /metrics, and `guarded` more methods behind the API key."""
+    stop. The public port serves Generation alone (with health and reflection), never a
+    worker's services; `registries` adds metrics (a colocated worker's) to /metrics."""
     security = Security.of(config)
     if config.http_port:
         try:
@@ -109,14 +109,13 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, regist
             raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
                              f"{config.http_port}) needs `pip install baton[http]` "
                              f"({e.name} is missing); or pass --http-port 0") from None
-    lifecycle.authorize = security.grpc_check((*GENERATION_METHODS, *guarded))
+    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
 
     def register(server: grpc.aio.Server) -> list[str]:
         gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
-        return [service_name(gen, "Generation"), *(register_more(server) if register_more
-                                                    else ())]
+        return [service_name(gen, "Generation")]
 
     async def start() -> None:
         if http is not None:

@@ -4,6 +4,7 @@ go. Torch-free; the CLI's flag table fills it (defaults live here only)."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,9 +12,21 @@ DRAIN_GRACE_S = 30.0  # on SIGTERM, how long in-flight work may take (every serv
 MIN_CLUSTER_TOKEN_CHARS = 16
 
 
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches `host` (a name other than localhost may resolve
+    to anything, so it is not)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    address: str = "0.0.0.0:50051"
+    address: str = "127.0.0.1:50051"  # a role that must be reached says where (the CLI)
     drain_grace: float = DRAIN_GRACE_S
     # TLS. A worker with a CA file asks every caller for a certificate signed by it
     # (mutual TLS); the router's public port never does (clients bring API keys). The
@@ -62,6 +75,19 @@ class ServiceConfig:
     def host(self) -> str:
         """The host part of `address` ("0.0.0.0" when it names none)."""
         return self.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+
+    @property
+    def local_only(self) -> bool:
+        """Whether only this machine can reach `address`: a loopback host or a unix
+        socket."""
+        return self.address.startswith(("unix:", "unix-abstract:")) or \
+            is_loopback(self.host)
+
+    @property
+    def checks_callers(self) -> bool:
+        """Whether, as a worker, it tells its cluster from strangers: a cluster token, or
+        certificates checked against --tls-ca (mutual TLS)."""
+        return bool(self.tls_ca or self.cluster_token or self.cluster_token_file)
 
     @property
     def metrics_bind(self) -> str:

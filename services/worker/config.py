@@ -12,7 +12,7 @@ from baton.services.rpc.config import ServiceConfig
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    service: ServiceConfig = field(default_factory=lambda: ServiceConfig("0.0.0.0:50061"))
+    service: ServiceConfig = field(default_factory=lambda: ServiceConfig("127.0.0.1:50061"))
     engine_id: str = ""  # unique per process start: the CLI adds a random suffix
     kv_transport: str | None = None  # "nixl" or "grpc"; the CLI picks NIXL when it loads
     max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
@@ -22,6 +22,9 @@ class WorkerConfig:
     # means a hung kernel or a stuck lock: health NOT_SERVING until it ends. Long enough
     # for a legitimate slow step: a first decode may build the CPU kernel.
     engine_stall_timeout: float = 120.0
+    # Start a prefill or decode worker that listens beyond loopback with nothing to tell
+    # its cluster from strangers (check_cluster_auth): a dev setup on a trusted network.
+    insecure_no_cluster_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 0:
@@ -31,6 +34,21 @@ class WorkerConfig:
                              f"{self.engine_stall_timeout!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+    def check_cluster_auth(self) -> None:
+        """For a prefill or decode worker (the colocated role has no cluster): ValueError
+        when it would listen beyond loopback with neither a cluster token nor mutual TLS,
+        where anyone who reaches it could load adapters from any path, read its KV events
+        and blocks, or make it pull KV from an address of their choice."""
+        svc = self.service
+        if svc.local_only or svc.checks_callers or self.insecure_no_cluster_auth:
+            return
+        raise ValueError(
+            f"this worker would listen on {svc.host} (beyond this machine) with neither a "
+            "cluster token nor mutual TLS, so anyone who reaches it could call it: set "
+            "--cluster-token-file (or BATON_CLUSTER_TOKEN), or --tls-ca with --tls-cert "
+            "and --tls-key; or listen on loopback (--host 127.0.0.1); or start it open "
+            "anyway with --insecure-no-cluster-auth")
 
     @property
     def max_waiting(self) -> int:

@@ -43,7 +43,9 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     the engine holds nothing: no request, and (prefill) no lease a decode worker has yet
     to pull. Metrics on --metrics-port, traces to --otlp-traces-endpoint. With a cluster
     token, every call but health must carry it. Health is NOT_SERVING while the engine
-    thread is stuck (watchdog.py)."""
+    thread is stuck (watchdog.py). Refuses to listen beyond loopback with nothing that
+    checks its callers (WorkerConfig.check_cluster_auth)."""
+    config.check_cluster_auth()
     svc = config.service
     security = Security.of(config)
     tracing.setup(f"baton-{role}", svc)

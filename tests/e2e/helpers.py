@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import grpc
 
@@ -59,7 +60,26 @@ def running_worker(workers: dict[str, str], names: tuple[str, ...]) -> str:
     raise AssertionError("no decode worker was running the request")
 
 
+def scrape(url: str) -> str:
+    """The Prometheus text of `url`/metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def colocated_http(topology, address: str) -> str:
+    """Where the colocated service at `address` shows its engine's state: its HTTP port
+    (its worker RPCs are not on its public port), for `all_free` and `scrape`."""
+    return f"http://{topology.http[address]}"
+
+
 def all_free(address: str) -> bool:
+    """A worker's state from GetStats; a colocated service's (an http:// address) from
+    the same counts on its /metrics."""
+    if address.startswith("http://"):
+        text = scrape(address)
+        return all(metric_value(text, f"baton:{name}") == 0 for name in (
+            "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+            "num_requests_loading", "kv_leases"))
     s = stats(address)
     return (s.num_free_blocks == s.num_blocks and s.num_running == s.num_waiting ==
             s.num_loading == s.num_leases == 0)

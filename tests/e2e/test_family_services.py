@@ -14,7 +14,17 @@ import torch
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
+from tests.e2e.helpers import (
+    all_free_within,
+    colocated_http,
+    greedy,
+    joined,
+    metric_value,
+    run,
+    scrape,
+    stats,
+    until_served,
+)
 from tests.e2e.topology import Topology, channel
 from tests.tiny_models import build, hf_greedy, put_in_hub_cache
 
@@ -54,9 +64,17 @@ def _prompts() -> list[list[int]]:
     return [rest[0], shared + rest[1], shared + rest[2], shared + rest[2]]
 
 
+def _cache_hits(gemma, entry: str) -> float:
+    """Prompt tokens the serving engine found cached (colocated: from its /metrics)."""
+    if entry == "router":
+        return stats(gemma["decode"]).prefix_cache_hits
+    return metric_value(scrape(colocated_http(gemma["topology"], gemma["colocated"])),
+                        "baton:prefix_cache_hits_total")
+
+
 @pytest.mark.parametrize("entry", ["router", "colocated"])
 def test_greedy_tokens_equal_transformers_through_the_services(gemma, entry):
-    hits = stats(gemma["decode" if entry == "router" else "colocated"]).prefix_cache_hits
+    hits = _cache_hits(gemma, entry)
     for prompt in _prompts():
         req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt),
                                   sampling=greedy(10, ignore_eos=True))
@@ -64,8 +82,9 @@ def test_greedy_tokens_equal_transformers_through_the_services(gemma, entry):
         assert joined(msgs)[0] == hf_greedy(gemma["hf"], prompt, 10), (
             f"{entry}: the prompt of {len(prompt)} tokens diverged from transformers")
     # The last prompt repeats the third: its blocks were cached.
-    assert stats(gemma["decode" if entry == "router" else "colocated"]).prefix_cache_hits > hits
-    workers = [gemma["prefill"], gemma["decode"]] if entry == "router" else [gemma["colocated"]]
+    assert _cache_hits(gemma, entry) > hits
+    workers = ([gemma["prefill"], gemma["decode"]] if entry == "router"
+               else [colocated_http(gemma["topology"], gemma["colocated"])])
     assert all_free_within(workers, 5.0)
 
 

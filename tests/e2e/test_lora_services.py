@@ -18,7 +18,7 @@ import torch
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from tests.e2e.helpers import all_free_within, greedy, joined, run, until_served
+from tests.e2e.helpers import all_free_within, colocated_http, greedy, joined, run, until_served
 from tests.e2e.topology import Topology, channel
 from tests.lora_adapters import peft_greedy, save_adapter
 from tests.tiny_models import build
@@ -45,13 +45,13 @@ def served(tmp_path_factory, model_path):
     try:
         prefill = topo.worker("prefill", *FLAGS, "--kv-transport", "nixl", wait=False)
         decode = topo.worker("decode", *FLAGS, "--kv-transport", "nixl", wait=False)
-        colocated = topo.worker("colocated", *FLAGS, *preload, *RUNTIME, wait=False)
+        local = topo.worker("colocated", *FLAGS, *preload, *RUNTIME, wait=False)
         topo.wait()
         router = topo.start("router", "--enable-lora", *preload, *RUNTIME, "--prefill",
                             prefill, "--decode", decode)
         yield {"hf": hf, "adapters": adapters, "root": root, "topology": topo,
-               "router": router, "colocated": colocated,
-               "workers": {"router": [prefill, decode], "colocated": [colocated]}}
+               "router": router, "colocated": local,
+               "workers": {"router": [prefill, decode], "colocated": [colocated_http(topo, local)]}}
     finally:
         topo.stop()
 

@@ -225,6 +225,10 @@ def test_every_service_shares_one_cluster_token_from_a_secret():
     names = {_secret_file(_deployment(role), "BATON_CLUSTER_TOKEN_FILE")
              for role in ("router", "prefill", "decode")}
     assert len(names) == 1
+    for role in WORKERS:  # reached over the network (said, as a worker's default is
+        env = _env(_main(_deployment(role)))  # loopback), and never open: the token
+        assert env["BATON_ADDRESS"].startswith("0.0.0.0:")
+        assert "BATON_INSECURE_NO_CLUSTER_AUTH" not in env
 
 
 def test_the_routers_api_keys_come_from_a_secret_and_no_key_is_written_here():

@@ -107,6 +107,12 @@ def test_compose_services_share_one_cluster_token_from_a_secret_file():
     names = {_compose_secret(compose, svc, "BATON_CLUSTER_TOKEN_FILE")
              for svc in compose["services"].values()}
     assert len(names) == 1
+    # Every service is reached over the network: said (a worker's default is loopback),
+    # and never open.
+    for svc in compose["services"].values():
+        env = svc["environment"]
+        assert env["BATON_ADDRESS"].startswith("0.0.0.0:")
+        assert "BATON_INSECURE_NO_CLUSTER_AUTH" not in env
 
 
 # -- Dockerfile -----------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Defaults that are safe: /metrics listens where its service does and over its TLS; a
 service that listens beyond loopback with nothing that says who may call warns loudly;
 traces go over TLS unless told otherwise and OTel's own variables count; `baton up
---api-key a,b` serves with both keys and its banner's own call passes."""
+--api-key a,b` serves with both keys and its banner's own call passes; API keys never
+show in a repr, --help or the banner; vLLM's VLLM_API_KEY counts beside BATON_API_KEY."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 
 import grpc
@@ -203,3 +205,72 @@ def test_up_gives_the_router_every_key_and_calls_it_with_the_first(monkeypatch):
             await server.stop(0)
 
     asyncio.run(main())
+
+
+# ---- API keys: never shown; vLLM's variable counts --------------------------------------
+
+SECRET = "s3cret-api-key"
+
+
+def test_api_keys_never_show_in_a_repr_or_help(monkeypatch, capsys):
+    assert SECRET not in repr(RouterConfig(api_keys=(SECRET,)))
+    monkeypatch.setenv("BATON_API_KEY", SECRET)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--role", "router", "--help"])
+    out = capsys.readouterr().out
+    assert "BATON_API_KEY" in out and SECRET not in out
+
+
+def test_baton_up_banner_shows_the_variable_never_the_key(monkeypatch, capsys):
+    class Exited:  # each child "exits" at once: `up` prints its banner, then stops
+        pid, returncode = 1, 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(up_module, "spawn", lambda *a, **kw: Exited())
+    monkeypatch.setattr(up_module, "wait_healthy", lambda *a, **kw: None)
+    monkeypatch.setattr(up_module, "stop_all", lambda procs: None)
+    monkeypatch.setattr(up_module, "served_name", lambda *a: "smol")
+    monkeypatch.setattr(up_module.signal, "signal", lambda *a: None)
+    monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
+    args, flags = parse(["up", "--api-key", SECRET])
+    with pytest.raises(SystemExit):
+        up_module.up(args, flags)
+    out = capsys.readouterr().out
+    assert "Bearer $BATON_API_KEY" in out and "baton generate" in out
+    assert SECRET not in out
+
+
+@pytest.mark.parametrize("role", ["router", "colocated"])
+def test_vllms_api_key_variable_is_honoured_beside_batons(monkeypatch, role):
+    from baton.cli import colocated
+    from baton.router import server as router_server
+
+    served: list[RouterConfig] = []
+    monkeypatch.setattr(router_server, "serve", served.append)
+    monkeypatch.setattr(colocated, "serve", lambda worker, router: served.append(router))
+    for name in ("BATON_API_KEY", "BATON_API_KEY_FILE", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["serve", "--role", role, *(["--decode", "127.0.0.1:1"] if role == "router"
+                                       else [])]
+    monkeypatch.setenv("VLLM_API_KEY", "vllm,key")  # one key, whole, as vLLM reads it
+    main(argv)
+    monkeypatch.setenv("BATON_API_KEY", "baton-key")  # Baton's own variable first
+    main(argv)
+    main([*argv, "--api-key", "flag-key"])  # and the flag before either
+    assert [r.api_keys for r in served] == [("vllm,key",), ("baton-key",), ("flag-key",)]
+
+
+def test_baton_up_hands_vllms_api_key_to_its_router(monkeypatch):
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm,key")
+    args, flags = parse(["up"])
+    assert up_module.api_keys(args) == ("vllm,key",)
+    argv, env = up_module.router_launch(args, flags, "127.0.0.1:1", "127.0.0.1:2",
+                                        dict(os.environ))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    router_args, router_flags = parse(["serve", "--role", "router", *argv])
+    assert values(router_args, router_flags, "router")["router"]["api_keys"] == ("vllm,key",)

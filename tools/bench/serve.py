@@ -228,6 +228,15 @@ def kv_shape(worker: str) -> tuple[int, int, int]:
     return st.model_info.vocab_size, layout.block_size, layout.block_bytes
 
 
+def model_shape(address: str) -> tuple[int, int, int]:
+    """(vocab size, block size, 0) from the public API: a colocated server moves no KV,
+    and its worker RPCs are not on its port."""
+    with grpc.insecure_channel(address) as channel:
+        info = gen_grpc.GenerationStub(channel).GetModelInfo(gen.GetModelInfoRequest(),
+                                                             timeout=10).info
+    return info.vocab_size, info.block_size, 0
+
+
 def summary(mode: str, c: int, r: Result) -> dict:
     out = {"mode": mode, "concurrency": c, "tok_s": r.tokens / r.seconds,
            "ttft_p50_ms": 1000 * pct(r.ttft, 50), "ttft_p99_ms": 1000 * pct(r.ttft, 99),
@@ -264,8 +273,9 @@ def main() -> None:
             procs, address = start(mode, args.threads, args.worker_threads, args.kv_cache_gib)
             try:
                 asyncio.run(warm_up(address))
-                worker = PORTS["decode" if mode == "disaggregated" else "colocated"]
-                vocab, block_size, block_bytes = kv_shape(f"127.0.0.1:{worker}")
+                vocab, block_size, block_bytes = (
+                    kv_shape(f"127.0.0.1:{PORTS['decode']}") if mode == "disaggregated"
+                    else model_shape(address))
                 wl = make_workload("w1", vocab)
                 for c in args.concurrency:
                     r = asyncio.run(run_load(address, wl.prompts, wl.output_len, c,
