@@ -214,7 +214,12 @@ FLAGS: list[Flag] = [
     _f("lora-modules", ROLES, (("engine", "lora_modules"), ("router", "lora_modules")),
        "LoRA adapters served from the start: name=path or JSON", kind=list, spaced=True),
     _f("allow-runtime-lora-updating", ROUTERS, "router.allow_runtime_lora_updating",
-       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs", kind=bool),
+       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs (needs "
+       "--lora-root)", kind=bool),
+    _f("lora-root", ROLES, (("engine", "lora_root"), ("router", "lora_root")),
+       "the directory a LoRA adapter loaded at run time must lie beneath, symlinks "
+       "resolved (--lora-modules may lie anywhere); a worker given it reads the paths the "
+       "router sends only beneath it", optional=True),
     _f("max-loras", WORKERS, "engine.max_loras", "LoRA adapters in a step", kind=int),
     _f("max-lora-rank", WORKERS, "engine.max_lora_rank", "largest LoRA rank", kind=int),
     _f("max-cpu-loras", WORKERS, "engine.max_cpu_loras", "LoRA adapters held in host "

@@ -79,6 +79,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[str, ...] = ()  # "name=path" (or vLLM's JSON form), loaded at start
+    # Where the adapter paths callers send must lie (services/common/lora_paths.py); None:
+    # anywhere the router accepted (a router takes none at run time without its own root).
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is None:

@@ -107,7 +107,7 @@ class LLMEngine:
                                    load_failure_policy=config.kv_load_failure_policy,
                                    max_loras=config.max_loras if config.enable_lora else None)
         self.loras = EngineLoras(self.runner.lora, model_config, self._live_loras,
-                                 config.lora_modules)  # read and checked now
+                                 config.lora_modules, config.lora_root)  # read now
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
         self.grammars = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),

@@ -28,7 +28,8 @@ async def lora_of(aengine: AsyncEngine, msg: wk.LoraAdapter | None) -> LoRAReque
     loras = aengine.engine.loras
     if msg.path and loras.enabled and not loras.holds(msg.name, msg.version):
         await load(aengine, msg.name, msg.path, msg.version)
-    return LoRARequest(msg.name, lora_path=msg.path)
+    # No path: one given would be read as the operator's (the offline API's), unconfined.
+    return LoRARequest(msg.name)
 
 
 async def load(aengine: AsyncEngine, name: str, path: str, version: int = 0) -> None:
