@@ -45,6 +45,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+    sent: bool = False  # lora_path came from a caller (a worker's request), not the operator
 
 
 def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, list[int]]]:

@@ -165,11 +165,11 @@ class EngineLoras:
         self._need()
         name = check_name(lora.lora_name)
         if not self.holds(name):
-            if lora.lora_path:  # the offline API's
-                self.load(name, lora.lora_path)
+            if lora.lora_path:  # the request's own (a worker's request: a caller's)
+                path, sent = lora.lora_path, lora.sent
             elif name in self.paths:  # dropped for room: read again, as it was first read
-                self.keep(self.read(name, self.paths[name], sent=name in self.sent),
-                          self.versions.get(name, 0))
+                path, sent = self.paths[name], name in self.sent
             else:
                 raise NotFound(f"LoRA adapter {name!r} is not loaded here")
+            self.keep(self.read(name, path, sent), self.versions.get(name, 0))
         return self.keys[name]

@@ -90,6 +90,9 @@ def test_the_engine_reads_a_sent_path_only_beneath_its_root(tree):
     assert loras.paths["x"] == os.path.realpath(root / "good")
     loras.keep(loras.read("own", str(own)))  # the operator's path, sent by the router
     loras.load("operator", str(outside))  # the offline API's, anywhere
+    with pytest.raises(Unreadable):  # a worker's request that brings its path: a caller's
+        loras.resolve(LoRARequest("y", lora_path=str(outside), sent=True))
+    assert loras.resolve(LoRARequest("y", lora_path=str(outside))) == "y"  # offline
     with pytest.raises(ValueError, match="is not a directory"):  # with its real reason
         loras.load("operator", str(root / "nowhere"))
 
