@@ -56,6 +56,12 @@ FLAGS: list[Flag] = [
     _f("chat-template", ROLES, (("engine", "chat_template"), ("router", "chat_template")),
        "a jinja chat template (a file, or the template itself) instead of the "
        "tokenizer's; the router renders chats with it", optional=True),
+    _f("allow-special-tokens-in-content", ROLES,
+       (("engine", "allow_special_tokens_in_content"),
+        ("router", "allow_special_tokens_in_content")),
+       "text in a chat's messages, tools and template variables that spells a special "
+       "token (<|im_end|>, ...) becomes that control token, as in vLLM (default: plain "
+       "text, so no message can forge a turn)", kind=bool),
     _f("generation-config", WORKERS, "engine.generation_config",
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
        "sampling values; none: ignore it; or a folder holding one"),

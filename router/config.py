@@ -31,6 +31,9 @@ class RouterConfig:
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    # A chat message's text that spells a special token is that control token (vLLM's
+    # way); False: plain text (services/common/plain_content.py).
+    allow_special_tokens_in_content: bool = False
     tool_call_parser: str | None = None  # finds tool calls in text (tool_choice "auto")
     enable_auto_tool_choice: bool = False  # tool_choice "auto" served (needs the parser)
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
