@@ -59,6 +59,12 @@ FLAGS: list[Flag] = [
     _f("chat-template", ROLES, (("engine", "chat_template"), ("router", "chat_template")),
        "a jinja chat template (a file, or the template itself) instead of the "
        "tokenizer's; the router renders chats with it", optional=True),
+    _f("allow-special-tokens-in-content", ROLES,
+       (("engine", "allow_special_tokens_in_content"),
+        ("router", "allow_special_tokens_in_content")),
+       "text in a chat's messages, tools and template variables that spells a special "
+       "token (<|im_end|>, ...) becomes that control token, as in vLLM (default: plain "
+       "text, so no message can forge a turn)", kind=bool),
     _f("generation-config", WORKERS, "engine.generation_config",
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
        "sampling values; none: ignore it; or a folder holding one"),
@@ -217,7 +223,12 @@ FLAGS: list[Flag] = [
     _f("lora-modules", ROLES, (("engine", "lora_modules"), ("router", "lora_modules")),
        "LoRA adapters served from the start: name=path or JSON", kind=list, spaced=True),
     _f("allow-runtime-lora-updating", ROUTERS, "router.allow_runtime_lora_updating",
-       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs", kind=bool),
+       "serve /v1/load_lora_adapter, /v1/unload_lora_adapter and their RPCs (needs "
+       "--lora-root)", kind=bool),
+    _f("lora-root", ROLES, (("engine", "lora_root"), ("router", "lora_root")),
+       "the directory a LoRA adapter loaded at run time must lie beneath, symlinks "
+       "resolved (--lora-modules may lie anywhere); a worker given it reads the paths the "
+       "router sends only beneath it", optional=True),
     _f("max-loras", WORKERS, "engine.max_loras", "LoRA adapters in a step", kind=int),
     _f("max-lora-rank", WORKERS, "engine.max_lora_rank", "largest LoRA rank", kind=int),
     _f("max-cpu-loras", WORKERS, "engine.max_cpu_loras", "LoRA adapters held in host "

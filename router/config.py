@@ -31,6 +31,9 @@ class RouterConfig:
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    # A chat message's text that spells a special token is that control token (vLLM's
+    # way); False: plain text (services/common/plain_content.py).
+    allow_special_tokens_in_content: bool = False
     tool_call_parser: str | None = None  # finds tool calls in text (tool_choice "auto")
     enable_auto_tool_choice: bool = False  # tool_choice "auto" served (needs the parser)
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
@@ -49,6 +52,9 @@ class RouterConfig:
     enable_lora: bool = False  # LoRA adapters served (requests name them; loaded at run time)
     lora_modules: tuple[str, ...] = ()  # "name=path" served from the start
     allow_runtime_lora_updating: bool = False  # the load and unload routes and RPCs
+    # The directory a run-time load's path must lie beneath (services/common/lora_paths.py);
+    # the load routes need it. --lora-modules, the operator's, may lie anywhere.
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout"):
@@ -76,6 +82,9 @@ class RouterConfig:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         for spec in self.lora_modules:
             parse_lora_module(spec)
+        if self.allow_runtime_lora_updating and not self.lora_root:
+            raise ValueError("allow_runtime_lora_updating needs lora_root: the directory "
+                             "that adapters loaded at run time must lie beneath")
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(self.tool_call_parser, self.enable_auto_tool_choice,

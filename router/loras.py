@@ -10,6 +10,11 @@ that is up to read the directory now, so a bad adapter is refused with its reaso
 any request names it, and a refused reload puts the old directory back where the new one
 was taken; an unload stops new requests at once, and the workers finish the ones
 running.
+
+A run-time load's path must lie beneath --lora-root (absolute, or relative to it), checked
+here with the router's view of the file system and again by each worker that has the
+root; whatever cannot be read for the caller gets lora_paths.py's one refusal, from the
+router or from a worker alike. Answers name adapters, never their paths.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from baton.router.clients import WorkerError
 from baton.router.registry import Registry
 from baton.services.common.lora_names import check_name, parse_lora_module, shown
+from baton.services.common.lora_paths import UNREADABLE, Unreadable, beneath
 from baton.services.rpc.errors import FailedPrecondition, Missing
 from baton.v1 import worker_pb2 as wk
 
@@ -32,9 +38,10 @@ MAX_PATH_CHARS = 4096
 
 class RouterLoras:
     def __init__(self, enabled: bool = False, modules: tuple[str, ...] = (),
-                 runtime_updates: bool = False):
+                 runtime_updates: bool = False, root: str | None = None):
         self.enabled = enabled
         self.runtime_updates = runtime_updates  # load and unload at run time
+        self.root = root  # where a run-time load's path must lie
         # Versions grow with every load, across restarts too (they start at the clock).
         self._versions = itertools.count(time.time_ns())
         self.paths: dict[str, str] = {}
@@ -77,6 +84,13 @@ class RouterLoras:
             raise ValueError(f"lora_name: {shown(name)} names the base model")
         if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS:
             raise ValueError(f"lora_path: 1 to {MAX_PATH_CHARS} characters")
+        if self.root is None:  # RouterConfig refuses that at start
+            raise FailedPrecondition("loading LoRA adapters at run time needs --lora-root")
+        try:  # the file system, off the event loop
+            path = await asyncio.to_thread(beneath, self.root, path)
+        except Unreadable as e:
+            log.warning("LoRA adapter %s refused: %s", shown(name), e.reason)
+            raise
         async with self._lock:
             workers = [w for w in registry.workers if w.state == "up"]
             version = next(self._versions)
@@ -93,6 +107,8 @@ class RouterLoras:
                 await self._unload_on(done, name)
             w, err = failed[0]
             log.warning("LoRA adapter %s refused by %s: %s", shown(name), w.address, err)
+            if isinstance(err, WorkerError) and err.details == UNREADABLE:
+                raise Unreadable(f"refused by {w.address}") from None  # as the router's
             if isinstance(err, WorkerError):
                 raise err.as_service_error(f"LoRA adapter {shown(name)}")
             raise err

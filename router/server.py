@@ -83,7 +83,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         discovery_grace=config.discovery_grace)
     source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
                                config.revision, config.tokenizer_revision)
-    intake = Intake(Tokenizer(source, config.chat_template), limits=config.limits,
+    intake = Intake(Tokenizer(source, config.chat_template,
+                              config.allow_special_tokens_in_content), limits=config.limits,
                     chat=config.chat_settings())
     lifecycle.request_checks.update({
         method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
@@ -93,7 +94,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                   RouterMetrics(config.served_model_name or ""), config.served_model_name,
                   config.shared_prefix_cache,
                   RouterLoras(config.enable_lora, config.lora_modules,
-                              config.allow_runtime_lora_updating))
+                              config.allow_runtime_lora_updating, config.lora_root))
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,

@@ -1,13 +1,14 @@
 """LoRA adapters on the OpenAI-compatible API, as vLLM serves them:
 
     a request's `model`               the base model's name, or an adapter's (else 404)
-    GET  /v1/models                   the base model, then each adapter (parent: the base)
+    GET  /v1/models                   the base model, then each adapter (parent: the base;
+                                      root: its name, where vLLM shows its server path)
     POST /v1/load_lora_adapter        {"lora_name", "lora_path"}: every worker reads it
     POST /v1/unload_lora_adapter      {"lora_name"}: new requests get 404; running finish
 
 Both POSTs are /v1/ routes, behind the API key like the completions, and served only with
 --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): else any key's
-caller could swap another's adapter.
+caller could swap another's adapter. A load reads only beneath --lora-root (router/loras.py).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def not_found(model: str) -> tuple[int, dict]:
 
 
 def model_cards(router, info) -> list[dict]:
-    """/v1/models' entries: the base model, then every adapter over it."""
+    """/v1/models' entries: the base model, then every adapter over it. No server path:
+    an adapter's `root` is its name."""
     base = {"id": info.served_model_name, "object": "model", "created": 0,
             "owned_by": "baton", "root": info.model, "parent": None,
             "max_model_len": info.max_model_len}
-    return [base] + [dict(base, id=name, root=router.loras.paths[name],
+    return [base] + [dict(base, id=name, root=name,
                           parent=info.served_model_name) for name in router.loras.names()]
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from baton.services.common.plain_content import plain_content
+
 
 def tokenizer_dir(model: str | Path) -> Path:
     """Where a model's tokenizer files are: the HF directory itself, or for a `.gguf` file
@@ -72,11 +74,14 @@ def reserved_template_names(tok: PreTrainedTokenizerBase) -> frozenset[str]:
 
 def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict],
                         tools: list[dict] | None = None,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None,
+                        special_tokens_in_content: bool = False) -> list[int]:
     """The messages through the model's chat template, ending with the assistant's turn;
     `tools` (OpenAI's function tools) and `template_kwargs` (more template variables)
-    passed on as transformers passes them. ValueError if the model has none, a kwarg is
-    one the template call reserves, or the template refuses the messages."""
+    passed on as transformers passes them. A special token the caller's strings spell is
+    plain text (plain_content.py) unless `special_tokens_in_content` (then it is the
+    control token, as in vLLM). ValueError if the model has none, a kwarg is one the
+    template call reserves, or the template refuses the messages."""
     if not tok.chat_template:
         raise ValueError("chat: this model has no chat template; send text or token ids")
     kwargs = dict(template_kwargs or {})
@@ -84,20 +89,30 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict],
     if taken:
         raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by the server, not "
                          "by a request")
+    plain = None if special_tokens_in_content else plain_content(tok)
+    if plain is not None and not plain.spelled([messages, tools, kwargs]):
+        plain = None  # nothing to keep plain: transformers' own path, as it always was
+    if plain is not None:
+        messages, tools, kwargs = plain.marked([messages, tools, kwargs])
     try:
         out = tok.apply_chat_template(messages, tools=tools or None,
-                                      add_generation_prompt=True, tokenize=True, **kwargs)
+                                      add_generation_prompt=True,
+                                      tokenize=plain is None, **kwargs)
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template
         raise ValueError(f"chat: the model's template refused the messages: {e}") from e
+    if plain is not None:
+        return plain.encode(tok, out)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 class Tokenizer:
     """The router's tokenizer, from the saved folder (see the module doc)."""
 
-    def __init__(self, model: str | Path, chat_template: str | None = None):
+    def __init__(self, model: str | Path, chat_template: str | None = None,
+                 special_tokens_in_content: bool = False):
         """`chat_template`: a --chat-template value (a file or inline jinja) to use
-        instead of the tokenizer's own."""
+        instead of the tokenizer's own; `special_tokens_in_content`: a chat's messages
+        may spell control tokens (apply_chat_template)."""
         folder = tokenizer_dir(model)
         if not (folder / "tokenizer.json").exists():
             raise FileNotFoundError(
@@ -107,6 +122,7 @@ class Tokenizer:
         if chat_template:
             self._tok.chat_template = read_chat_template(chat_template)
         self.has_chat_template = bool(self._tok.chat_template)
+        self.special_tokens_in_content = special_tokens_in_content
         self._texts: dict[int, str] = {}
 
     @property
@@ -132,4 +148,5 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> list[int]:
-        return apply_chat_template(self._tok, messages, tools, template_kwargs)
+        return apply_chat_template(self._tok, messages, tools, template_kwargs,
+                                   self.special_tokens_in_content)

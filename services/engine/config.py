@@ -49,6 +49,9 @@ class EngineConfig:
     revision: str | None = None  # of a hub id: a branch, tag or commit
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    # A chat message's text that spells a special token is that control token (vLLM's
+    # way); False: plain text (services/common/plain_content.py).
+    allow_special_tokens_in_content: bool = False
     served_model_name: str | None = None  # what GetModelInfo and /v1/models call it
     generation_config: str = "auto"  # "auto": the model's defaults; "none"; or a folder
     dtype: str = "auto"  # see resolve_dtype
@@ -79,6 +82,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[str, ...] = ()  # "name=path" (or vLLM's JSON form), loaded at start
+    # Where the adapter paths callers send must lie (services/common/lora_paths.py); None:
+    # anywhere the router accepted (a router takes none at run time without its own root).
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is None:

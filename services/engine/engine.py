@@ -107,7 +107,7 @@ class LLMEngine:
                                    load_failure_policy=config.kv_load_failure_policy,
                                    max_loras=config.max_loras if config.enable_lora else None)
         self.loras = EngineLoras(self.runner.lora, model_config, self._live_loras,
-                                 config.lora_modules)  # read and checked now
+                                 config.lora_modules, config.lora_root)  # read now
         self.runner.maybe_capture_graphs(config.max_num_seqs, self.max_model_len)
         self.grammars = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
@@ -254,9 +254,9 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> list[int]:
         """Chat messages (and OpenAI function `tools`, more template variables) through
-        the model's chat template (or --chat-template's), ending with the assistant turn
-        (services/common/tokenizer.py; ValueError if the template refuses them)."""
-        return apply_chat_template(self.tokenizer, messages, tools, template_kwargs)
+        the chat template, ending with the assistant turn (services/common/tokenizer.py)."""
+        return apply_chat_template(self.tokenizer, messages, tools, template_kwargs,
+                                   self.config.allow_special_tokens_in_content)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; for a prefilled one, release its held blocks."""

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.services.common.lora_names import check_name
+from baton.services.common.lora_names import check_name, shown
+from baton.services.common.lora_paths import Unreadable, beneath
 from baton.services.engine.model_config import ModelConfig
 
 # HF module -> (our fused projection, which part of it).
@@ -44,6 +45,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+    sent: bool = False  # lora_path came from a caller (a worker's request), not the operator
 
 
 def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, list[int]]]:
@@ -66,6 +68,7 @@ class LoRAAdapter:
         field(default_factory=dict)
     fingerprint: str = ""  # sha256 of the weights as served (scale folded in)
     key: str = ""  # what the engine holds it under (loras.py): its binding
+    sent: bool = False  # read from a path a caller sent (lora_paths.py), not the operator's
 
     @property
     def num_bytes(self) -> int:
@@ -73,11 +76,12 @@ class LoRAAdapter:
 
 
 def load_adapter(name: str, path: str, c: ModelConfig, max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
+                 dtype: torch.dtype, root: str | None = None) -> LoRAAdapter:
     """Read and check a PEFT LoRA directory; ValueError, saying why, on anything this model
-    cannot apply exactly."""
+    cannot apply exactly, and its subclass Unreadable (lora_paths.py) where a file is
+    absent or does not open, or (with `root`) resolves outside `root`."""
     check_name(name)
-    config = _read_config(path)
+    config = _read_config(name, path, root)
     for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if config.get(key) == bad:
             raise ValueError(f"LoRA adapter {name!r}: {key} is not supported")
@@ -97,7 +101,7 @@ def load_adapter(name: str, path: str, c: ModelConfig, max_rank: int,
     alpha = config.get("lora_alpha", config.get("r"))
     if not isinstance(alpha, (int, float)):
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json has no lora_alpha")
-    pairs = _pairs(name, _read_weights(path), c)
+    pairs = _pairs(name, _read_weights(name, path, root), c)
     shapes = projection_shapes(c)
     adapter = LoRAAdapter(name, path, 0)
     for (layer, module), ab in sorted(pairs.items()):
@@ -121,7 +125,7 @@ def load_adapter(name: str, path: str, c: ModelConfig, max_rank: int,
         adapter.weights[layer, proj, part] = (a.to(dtype).contiguous(),
                                               (b.double() * scale).to(dtype).contiguous())
     if not adapter.weights:
-        raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in {path}")
+        raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in its weights file")
     digest = hashlib.sha256()
     for where, (a, b) in sorted(adapter.weights.items()):
         digest.update(repr(where).encode())
@@ -131,41 +135,58 @@ def load_adapter(name: str, path: str, c: ModelConfig, max_rank: int,
     return adapter
 
 
-def _read_config(path: str) -> dict:
-    file = os.path.join(path, "adapter_config.json")
+def _file(path: str, file: str, root: str | None, said: str = "") -> str:
+    """A file of the adapter directory, resolved and held beneath `root` when one is given
+    (a link in the directory must not lead out); Unreadable where it is not a file."""
     if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter path {path!r} is not a directory")
-    if not os.path.isfile(file):
-        raise ValueError(f"LoRA adapter path {path!r} has no adapter_config.json (not a "
-                         "PEFT adapter directory)")
+        raise Unreadable(f"{path!r} is not a directory")
+    where = os.path.join(path, file)
+    if root is not None:
+        where = beneath(root, where)
+    if not os.path.isfile(where):
+        raise Unreadable(f"{path!r} has no {said or file}")
+    return where
+
+
+def _read_config(name: str, path: str, root: str | None) -> dict:
+    file = _file(path, "adapter_config.json", root)
     try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json does not read ({e})") \
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise Unreadable(f"{file!r} does not open ({e.strerror})") from None
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json does not read ({e})") \
             from None
     if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not an object")
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json is not an object")
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"LoRA adapter {path!r}: peft_type {config['peft_type']!r} is not "
-                         "LORA")
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {shown(config['peft_type'])} is "
+                         "not LORA")
     if not isinstance(config.get("r"), int) or config["r"] < 1:
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json needs r >= 1")
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json needs r >= 1")
     return config
 
 
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    st, pt = (os.path.join(path, f"adapter_model.{ext}") for ext in ("safetensors", "bin"))
-    try:
-        if os.path.isfile(st):
+def _read_weights(name: str, path: str, root: str | None) -> dict[str, torch.Tensor]:
+    st = "adapter_model.safetensors"
+    if not os.path.lexists(os.path.join(path, st)) \
+            and os.path.lexists(os.path.join(path, "adapter_model.bin")):
+        st = "adapter_model.bin"
+    file = _file(path, st, root, "adapter_model.safetensors (or .bin)")
+    try:  # (a hub cache's files are links to blobs: the link's name says the format)
+        if st.endswith(".safetensors"):
             from safetensors.torch import load_file
 
-            return load_file(st)
-        if os.path.isfile(pt):
-            return torch.load(pt, map_location="cpu", weights_only=True)
+            return load_file(file)
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise Unreadable(f"{file!r} does not open ({e.strerror})") from None
     except Exception as e:  # a truncated or foreign file: say so, never crash the worker
-        raise ValueError(f"LoRA adapter {path!r}: its weights do not read ({e})") from None
-    raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors (or .bin)")
+        raise ValueError(f"LoRA adapter {name!r}: its weights do not read "
+                         f"({type(e).__name__}: {shown(str(e))})") from None
 
 
 def _pairs(name: str, tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict:

@@ -1,8 +1,14 @@
 """The engine's LoRA adapters by name: loaded at start or at run time, found for each
 request, unloaded once no request runs them.
 
-    load(name, path)     read and check the directory now (ValueError says why not); a
-                         request may also name a path, read on its first use here
+    load(name, path)     read and check the operator's directory now (ValueError says
+                         why not); an offline request may also name a path, read on its
+                         first use here
+    read(name, path)     read a directory a caller sent (the router's load, or the path
+                         it sends with a request): only beneath --lora-root where the
+                         engine has one, and refused with lora_paths.py's one message
+                         wherever it cannot be read (the reason goes to the log); the
+                         engine's own --lora-modules paths are the operator's
     resolve(request)     the name a request runs under; ValueError for an adapter this
                          engine neither holds nor may read
     unload(name)         new requests cannot name it; the ones running finish with it
@@ -22,21 +28,30 @@ reload catches up). Offline loads carry none (0): the last one wins.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 
 from baton.services.common.errors import NotFound
-from baton.services.common.lora_names import check_name, parse_lora_module
+from baton.services.common.lora_names import check_name, parse_lora_module, shown
+from baton.services.common.lora_paths import Unreadable, beneath
 from baton.services.engine.lora import LoRAAdapter, LoRARequest, load_adapter
 from baton.services.engine.lora_slots import LoraSlots
 from baton.services.engine.model_config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 
 class EngineLoras:
     def __init__(self, slots: LoraSlots | None, model_config: ModelConfig,
-                 live: Callable[[], set[str | None]], modules: tuple[str, ...] = ()):
+                 live: Callable[[], set[str | None]], modules: tuple[str, ...] = (),
+                 root: str | None = None):
         """`live`: the binding keys of the requests this engine holds now; `modules`:
-        "name=path" entries, loaded now."""
+        "name=path" entries, loaded now; `root`: where a caller's paths must lie."""
+        if root is not None and not os.path.isdir(root):
+            raise ValueError(f"lora_root {root!r} is not a directory")
         self.slots = slots
+        self.root = root
         self.model_config = model_config
         self.live = live
         self.paths: dict[str, str] = {}  # name -> path, of every adapter it may serve
@@ -44,8 +59,12 @@ class EngineLoras:
         self.first: dict[str, str] = {}  # name -> the fingerprint it was first bound to
         self.versions: dict[str, int] = {}  # name -> the version of its current binding
         self.unloading: set[str] = set()  # keys held until the requests running them end
-        for spec in modules:
-            self.load(*parse_lora_module(spec))
+        self.sent: set[str] = set()  # names bound to a path a caller sent
+        specs = [parse_lora_module(spec) for spec in modules]
+        # The operator's paths: the router sends its --lora-modules with requests too.
+        self.own = {path for _, path in specs}
+        for name, path in specs:
+            self.load(name, path)
 
     @property
     def enabled(self) -> bool:
@@ -61,17 +80,30 @@ class EngineLoras:
         return self.slots
 
     def load(self, name: str, path: str, version: int = 0) -> None:
-        """Read, check and hold an adapter now; the same name again rebinds it."""
-        self.keep(self.read(name, path), version)
+        """Read, check and hold the operator's adapter now; the same name again rebinds
+        it."""
+        self.keep(self.read(name, path, sent=False), version)
 
-    def read(self, name: str, path: str) -> LoRAAdapter:
-        """Read and check an adapter (any thread: it touches nothing of the engine's)."""
+    def read(self, name: str, path: str, sent: bool = True) -> LoRAAdapter:
+        """Read and check an adapter (any thread: it touches nothing of the engine's).
+        `sent`: the path came from a caller (see the module doc); else the operator's."""
         slots = self._need()
         check_name(name)
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"LoRA adapter {name!r}: a path is required")
-        return load_adapter(name, path, self.model_config, slots.max_rank,
-                            slots.a["qkv"][0].dtype)
+        sent = sent and not (isinstance(path, str) and path in self.own)
+        try:
+            if not isinstance(path, str) or not path:
+                raise Unreadable("no path")
+            if sent and self.root is not None:
+                path = beneath(self.root, path)
+            adapter = load_adapter(name, path, self.model_config, slots.max_rank,
+                                   slots.a["qkv"][0].dtype, self.root if sent else None)
+        except Unreadable as e:
+            if not sent:
+                raise ValueError(f"LoRA adapter {name!r}: {e.reason}") from None
+            log.warning("LoRA adapter %s refused: %s", shown(name), e.reason)
+            raise Unreadable(e.reason) from None
+        adapter.sent = sent
+        return adapter
 
     def keep(self, adapter: LoRAAdapter, version: int = 0) -> bool:
         """Hold an adapter `read` returned, and serve it under its name (engine thread);
@@ -88,6 +120,7 @@ class EngineLoras:
         if held is None or held.fingerprint != adapter.fingerprint:  # else: held already
             slots.hold(adapter, self.live())
         self.paths[name], self.keys[name] = adapter.path, adapter.key
+        (self.sent.add if adapter.sent else self.sent.discard)(name)
         self.versions[name] = version
         self.unloading.discard(adapter.key)
         if old is not None and old != adapter.key:  # the old weights end with their requests
@@ -107,6 +140,7 @@ class EngineLoras:
         after its last request (sweep)."""
         if self.paths.pop(name, None) is None:
             return False
+        self.sent.discard(name)
         self.unloading.add(self.keys.pop(name))
         self.versions.pop(name, None)
         self.sweep()
@@ -131,8 +165,11 @@ class EngineLoras:
         self._need()
         name = check_name(lora.lora_name)
         if not self.holds(name):
-            path = lora.lora_path or self.paths.get(name)
-            if not path:
+            if lora.lora_path:  # the request's own (a worker's request: a caller's)
+                path, sent = lora.lora_path, lora.sent
+            elif name in self.paths:  # dropped for room: read again, as it was first read
+                path, sent = self.paths[name], name in self.sent
+            else:
                 raise NotFound(f"LoRA adapter {name!r} is not loaded here")
-            self.load(name, path)
+            self.keep(self.read(name, path, sent), self.versions.get(name, 0))
         return self.keys[name]

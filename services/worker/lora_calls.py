@@ -28,7 +28,9 @@ async def lora_of(aengine: AsyncEngine, msg: wk.LoraAdapter | None) -> LoRAReque
     loras = aengine.engine.loras
     if msg.path and loras.enabled and not loras.holds(msg.name, msg.version):
         await load(aengine, msg.name, msg.path, msg.version)
-    return LoRARequest(msg.name, lora_path=msg.path)
+    # The path stays, as a caller's: should an unload land before the request is queued,
+    # the engine reads it again, as it read it here, so the request runs as sent.
+    return LoRARequest(msg.name, lora_path=msg.path, sent=True)
 
 
 async def load(aengine: AsyncEngine, name: str, path: str, version: int = 0) -> None:

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from baton.services.common.lora_paths import UNREADABLE
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.helpers import all_free_within, colocated_http, greedy, joined, run, until_served
@@ -38,17 +39,20 @@ def served(tmp_path_factory, model_path):
                 "b": save_adapter(hf, root / "b", 16, seed=2,
                                   targets=("q_proj", "v_proj", "down_proj")),
                 "c": save_adapter(hf, root / "c", 8, seed=3)}
-    (root / "bad").mkdir()
-    (root / "bad" / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 8}))
+    save_adapter(hf, root / "bad", 32, seed=4)  # above --max-lora-rank
     topo = Topology(root, root / "model")
     preload = ("--lora-modules", f"a={adapters['a']}")
+    confined = ("--lora-root", str(root))  # run-time loads read beneath it
     try:
-        prefill = topo.worker("prefill", *FLAGS, "--kv-transport", "nixl", wait=False)
-        decode = topo.worker("decode", *FLAGS, "--kv-transport", "nixl", wait=False)
-        local = topo.worker("colocated", *FLAGS, *preload, *RUNTIME, wait=False)
+        prefill = topo.worker("prefill", *FLAGS, *confined, "--kv-transport", "nixl",
+                              wait=False)
+        decode = topo.worker("decode", *FLAGS, *confined, "--kv-transport", "nixl",
+                             wait=False)
+        local = topo.worker("colocated", *FLAGS, *preload, *RUNTIME, *confined,
+                            wait=False)
         topo.wait()
-        router = topo.start("router", "--enable-lora", *preload, *RUNTIME, "--prefill",
-                            prefill, "--decode", decode)
+        router = topo.start("router", "--enable-lora", *preload, *RUNTIME, *confined,
+                            "--prefill", prefill, "--decode", decode)
         yield {"hf": hf, "adapters": adapters, "root": root, "topology": topo,
                "router": router, "colocated": local,
                "workers": {"router": [prefill, decode], "colocated": [colocated_http(topo, local)]}}
@@ -138,7 +142,13 @@ def test_unknown_and_bad_adapters_are_refused_with_their_reason(served):
     with pytest.raises(grpc.RpcError) as e:
         _load(router, "bad", served["root"] / "bad")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "adapter_model.safetensors" in e.value.details()
+    assert "rank 32 is above" in e.value.details()
+    answers = set()  # absent (the workers refuse it), outside the root (the router does)
+    for path in (served["root"] / "nowhere", served["root"].parent):
+        with pytest.raises(grpc.RpcError) as e:
+            _load(router, "bad", path)
+        answers.add((e.value.code(), e.value.details()))
+    assert answers == {(grpc.StatusCode.INVALID_ARGUMENT, UNREADABLE)}
     with pytest.raises(grpc.RpcError) as e:
         _unload(router, "nope")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -153,6 +163,7 @@ def test_unknown_and_bad_adapters_are_refused_with_their_reason(served):
         cards = json.load(r)["data"]
     assert cards[0]["parent"] is None and "a" in [c["id"] for c in cards[1:]]
     assert all(c["parent"] == cards[0]["id"] for c in cards[1:])
+    assert all(c["root"] == c["id"] for c in cards[1:])  # a name, never a server path
     assert all_free_within(served["workers"]["router"], 5.0)
 
 

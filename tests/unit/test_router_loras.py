@@ -46,7 +46,7 @@ def _registry(*clients, down=()):
 
 def test_a_load_refused_by_one_worker_is_undone_on_the_others():
     ok, bad = FakeClient(), FakeClient(refuse="/bad")
-    loras = RouterLoras(enabled=True, runtime_updates=True)
+    loras = RouterLoras(enabled=True, runtime_updates=True, root="/")
     with pytest.raises(InvalidArgument, match="bad rank"):
         asyncio.run(loras.load(_registry(ok, bad), "x", "/bad"))
     assert ok.held == set() and loras.names() == []
@@ -56,7 +56,7 @@ def test_a_load_refused_by_one_worker_is_undone_on_the_others():
 
 def test_a_refused_reload_puts_the_old_directory_back_at_a_newer_version():
     ok, picky = FakeClient(), FakeClient(refuse="/new")
-    loras = RouterLoras(enabled=True, modules=("x=/old",), runtime_updates=True)
+    loras = RouterLoras(enabled=True, modules=("x=/old",), runtime_updates=True, root="/")
     registry = _registry(ok, picky)
     first = loras.adapter("x").version
     with pytest.raises(InvalidArgument):
@@ -68,7 +68,7 @@ def test_a_refused_reload_puts_the_old_directory_back_at_a_newer_version():
 
 def test_load_reaches_every_worker_that_is_up_and_unload_every_one():
     a, b, down = FakeClient(), FakeClient(), FakeClient()
-    loras = RouterLoras(enabled=True, modules=("m=/m",), runtime_updates=True)
+    loras = RouterLoras(enabled=True, modules=("m=/m",), runtime_updates=True, root="/")
     registry = _registry(a, b, down, down={2})
     asyncio.run(loras.load(registry, "x", "/a"))
     v1 = loras.adapter("x").version
@@ -94,7 +94,7 @@ def test_off_and_bad_names_are_refused_before_any_worker_is_called():
         asyncio.run(RouterLoras(enabled=True).load(_registry(a), "x", "/a"))
     with pytest.raises(FailedPrecondition, match="--allow-runtime-lora-updating"):
         asyncio.run(RouterLoras(enabled=True, modules=("x=/x",)).unload(_registry(a), "x"))
-    on = RouterLoras(enabled=True, runtime_updates=True)
+    on = RouterLoras(enabled=True, runtime_updates=True, root="/")
     with pytest.raises(ValueError, match="name"):
         asyncio.run(on.load(_registry(a), "no spaces", "/a"))
     with pytest.raises(ValueError, match="base model"):
