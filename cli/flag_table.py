@@ -188,6 +188,9 @@ FLAGS: list[Flag] = [
        "characters of a request_id", kind=int),
     _f("max-user-chars", ROUTERS, "limits.max_user_chars",
        "characters of the OpenAI `user` field", kind=int),
+    _f("max-answer-tokens", ROUTERS, "limits.max_answer_tokens",
+       "tokens and logprobs one OpenAI request's answer may hold: n x max_tokens x (1 + "
+       "top_logprobs) over its prompts (max_tokens unset: max_model_len)", kind=int),
     _f("poll-interval", ("router",), "router.poll_interval",
        "seconds between stats polls of every worker", kind=float),
     _f("worker-timeout", ("router",), "router.worker_timeout",

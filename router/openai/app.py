@@ -166,6 +166,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
             requests = await intake.parse(body.requests, info.max_model_len)
+            body.check_answer(requests, intake.limits)  # what rendering it may cost
             for r in requests:
                 r.lora = lora
             # echo: the prompts' text (token ids decoded on the tokenizer's threads)
