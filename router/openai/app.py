@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fastapi import FastAPI, Request
@@ -36,6 +37,9 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, status_of
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Whole responses are rendered here, never on the event loop: two at a time at most, so
+# the loop still gets the interpreter often while big answers render.
+RENDER = ThreadPoolExecutor(2, thread_name_prefix="render")
 KEY_ID = "baton.key_id"  # in the ASGI scope: the caller's API key as security.key_id
 
 
@@ -251,7 +255,10 @@ async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int
         work.cancel()
         watch.cancel()
         await run.close()
-    return JSONResponse(renderer.whole(choices, n, want_top))
+    # Rendered a piece at a time, on a render thread: the loop answers meanwhile.
+    body = await asyncio.get_running_loop().run_in_executor(
+        RENDER, renderer.whole_json, choices, n, want_top)
+    return Response(body, media_type="application/json")
 
 
 async def _sse(run: Run, events, first, renderer: Renderer, count: int, n: int,
