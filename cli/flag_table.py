@@ -168,6 +168,10 @@ FLAGS: list[Flag] = [
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",
        "the deadline of a request whose client set none (seconds)", kind=float),
+    _f("stream-stall-timeout", ROUTERS, "router.stream_stall_timeout",
+       "seconds a client may read nothing of its stream (gRPC or SSE) while its buffers "
+       "are full; past it the stream is cut and the request aborted, freeing its blocks",
+       kind=float),
     # -- the size of one request (router and colocated; README "Limits")
     _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
        kind=int),

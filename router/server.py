@@ -93,7 +93,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                   RouterMetrics(config.served_model_name or ""), config.served_model_name,
                   config.shared_prefix_cache,
                   RouterLoras(config.enable_lora, config.lora_modules,
-                              config.allow_runtime_lora_updating))
+                              config.allow_runtime_lora_updating),
+                  config.stream_stall_timeout)
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, register_more=None,

@@ -104,6 +104,27 @@ class Choice:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Tally:
+    """What a streamed choice keeps: its usage counts, never its tokens or logprobs (they
+    went out in the chunks)."""
+
+    index: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, reply: gen.GenerateResponse) -> None:
+        self.completion_tokens += len(reply.delta.token_ids)
+        if reply.HasField("usage"):
+            self.prompt_tokens = reply.usage.prompt_tokens
+            self.cached_tokens = reply.usage.cached_tokens
+
 
 @dataclass
 class ParsedMessage:
@@ -152,11 +173,11 @@ def chat_delta(chat: gen.ChatDelta, first: bool) -> dict:
     return out
 
 
-def usage(choices: list[Choice], n: int) -> dict:
+def usage(choices: list[Choice] | list[Tally], n: int) -> dict:
     """Each prompt counted once though its n choices each ran it (sharing its cache)."""
     prompts = choices[::n]
     prompt = sum(c.prompt_tokens for c in prompts)
-    completion = sum(len(c.token_ids) for c in choices)
+    completion = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)}}
