@@ -177,6 +177,10 @@ FLAGS: list[Flag] = [
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",
        "the deadline of a request whose client set none (seconds)", kind=float),
+    _f("stream-stall-timeout", ROUTERS, "router.stream_stall_timeout",
+       "seconds a client may read nothing of its stream (gRPC or SSE) while its buffers "
+       "are full; past it the stream is cut and the request aborted, freeing its blocks",
+       kind=float),
     # -- the size of one request (router and colocated; README "Limits")
     _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
        kind=int),
@@ -197,6 +201,9 @@ FLAGS: list[Flag] = [
        "characters of a request_id", kind=int),
     _f("max-user-chars", ROUTERS, "limits.max_user_chars",
        "characters of the OpenAI `user` field", kind=int),
+    _f("max-answer-tokens", ROUTERS, "limits.max_answer_tokens",
+       "tokens and logprobs one OpenAI request's answer may hold: n x max_tokens x (1 + "
+       "top_logprobs) over its prompts (max_tokens unset: max_model_len)", kind=int),
     _f("poll-interval", ("router",), "router.poll_interval",
        "seconds between stats polls of every worker", kind=float),
     _f("worker-timeout", ("router",), "router.worker_timeout",

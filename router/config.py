@@ -40,6 +40,9 @@ class RouterConfig:
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
     request_timeout: float = 600.0  # the deadline of a request whose client set none
+    # A stream whose client reads nothing this long (its buffers full) is cut, and its
+    # request aborted: a stalled reader holds no KV blocks.
+    stream_stall_timeout: float = 30.0
     poll_interval: float = 0.5  # seconds between stats polls of every worker
     worker_timeout: float = 3.0  # a worker silent this long is down (dead or frozen)
     http_port: int = 8000  # the OpenAI-compatible API and /metrics; 0: none (vLLM's port)
@@ -57,7 +60,8 @@ class RouterConfig:
     lora_root: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout"):
+        for name in ("max_inflight", "request_timeout", "stream_stall_timeout",
+                     "poll_interval", "worker_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.http_port < 65536:

@@ -145,8 +145,9 @@ class Router:
     def __init__(self, registry: Registry, intake: Intake, max_inflight: int = 256,
                  request_timeout: float = 600.0, metrics: RouterMetrics | None = None,
                  served_model_name: str | None = None, shared_prefix_cache: bool = False,
-                 loras: RouterLoras | None = None):
+                 loras: RouterLoras | None = None, stream_stall_timeout: float = 30.0):
         self.registry = registry
+        self.stream_stall_timeout = stream_stall_timeout  # a stream read by no one is cut
         self.loras = loras or RouterLoras()  # the LoRA adapters it serves
         self.shared_prefix_cache = shared_prefix_cache  # every key's callers in one cache
         self.served_model_name = served_model_name  # overrides what the workers say

@@ -93,8 +93,14 @@ class Intake:
         return Job(client_id, rid, ids, request, output)
 
     async def prompt_ids(self, request, info: gen.ModelInfo | None) -> list[int]:
-        """The prompt of a Generate or Tokenize request as token ids."""
-        return (await self._prompt(request, info))[0]
+        """The prompt of a Generate or Tokenize request as token ids: more than
+        max_model_len of them is refused (as vLLM's /tokenize does), so no answer of
+        Tokenize is bigger than a prompt the model takes."""
+        ids = (await self._prompt(request, info))[0]
+        if info is not None and len(ids) > info.max_model_len:
+            raise InvalidArgument(f"prompt: {len(ids)} tokens; max_model_len is "
+                                  f"{info.max_model_len}")
+        return ids
 
     async def _prompt(self, request, info: gen.ModelInfo | None
                       ) -> tuple[list[int], Chat | None]:

@@ -19,6 +19,7 @@ from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry, Worker
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc import tracing
+from baton.services.rpc.errors import DeadlineExceeded
 from baton.services.rpc.metrics import serve_metrics
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
@@ -38,12 +39,23 @@ class RouterServicer(gen_grpc.GenerationServicer):
         self.security = security  # which API key a call brought (the interceptor checked it)
 
     async def Generate(self, request, context):
+        """The request's stream, written to the client as it comes (a coroutine that
+        writes: gRPC's own flow control holds each write while the client's window is
+        full); a write held for --stream-stall-timeout cuts the stream, DEADLINE_EXCEEDED,
+        and aborts the request everywhere."""
         metadata = context.invocation_metadata()
         key = self.security.grpc_key_id(metadata) if self.security is not None else ""
         caller = Caller(context.time_remaining, tracing.extract(metadata), key_id=key or "")
+        stall = self.router.stream_stall_timeout
         async with aclosing(self.router.generate(request, caller)) as replies:
             async for reply in replies:
-                yield reply
+                try:
+                    async with asyncio.timeout(stall):
+                        await context.write(reply)
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"stream: the client read nothing for {stall:g} s "
+                        "(--stream-stall-timeout); its request was aborted") from None
 
     async def Tokenize(self, request, context):
         return gen.TokenizeResponse(token_ids=await self.router.tokenize(request))
@@ -94,7 +106,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                   RouterMetrics(config.served_model_name or ""), config.served_model_name,
                   config.shared_prefix_cache,
                   RouterLoras(config.enable_lora, config.lora_modules,
-                              config.allow_runtime_lora_updating, config.lora_root))
+                              config.allow_runtime_lora_updating, config.lora_root),
+                  config.stream_stall_timeout)
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,

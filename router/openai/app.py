@@ -10,25 +10,28 @@
 
 Errors come in OpenAI's JSON shape with the right HTTP status: 400 naming the field, 401
 without a valid key, 404 for another model, 429 with Retry-After, 503, 504. A client
-that disconnects cancels its request everywhere.
+that disconnects cancels its request everywhere; one that stops reading its stream is
+cut (streams.py). A whole response is rendered on a thread (render.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.router.core import Caller, Router
 from baton.router.openai import errors, extra_routes, lora_routes
 from baton.router.openai.body import parse_body
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
-from baton.router.openai.render import Choice, Renderer, error_body, event, param_of
+from baton.router.openai.render import Choice, Renderer, Tally, error_body, event, param_of
 from baton.router.openai.runs import Run
+from baton.router.openai.streams import EventStream
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import InvalidArgument, ServiceError
 from baton.services.rpc.metrics import union
@@ -36,6 +39,9 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, status_of
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Whole responses are rendered here, never on the event loop: two at a time at most, so
+# the loop still gets the interpreter often while big answers render.
+RENDER = ThreadPoolExecutor(2, thread_name_prefix="render")
 KEY_ID = "baton.key_id"  # in the ASGI scope: the caller's API key as security.key_id
 
 
@@ -166,6 +172,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
             requests = await intake.parse(body.requests, info.max_model_len)
+            body.check_answer(requests, intake.limits)  # what rendering it may cost
             for r in requests:
                 r.lora = lora
             # echo: the prompts' text (token ids decoded on the tokenizer's threads)
@@ -206,9 +213,9 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         if body.stream:  # from here Starlette watches the connection
             watch.cancel()
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+            return EventStream(
                 _sse(run, events, first, renderer, len(requests), body.n, want_top, include),
-                media_type="text/event-stream")
+                router.stream_stall_timeout)
         return await _whole(run, events, first, renderer, len(requests), body.n, want_top,
                             watch, chat)
 
@@ -250,12 +257,15 @@ async def _whole(run: Run, events, first, renderer: Renderer, count: int, n: int
         work.cancel()
         watch.cancel()
         await run.close()
-    return JSONResponse(renderer.whole(choices, n, want_top))
+    # Rendered a piece at a time, on a render thread: the loop answers meanwhile.
+    body = await asyncio.get_running_loop().run_in_executor(
+        RENDER, renderer.whole_json, choices, n, want_top)
+    return Response(body, media_type="application/json")
 
 
 async def _sse(run: Run, events, first, renderer: Renderer, count: int, n: int,
                want_top: int, include_usage: bool):
-    choices = [Choice(i) for i in range(count)]
+    choices = [Tally(i) for i in range(count)]  # the usage counts: the chunks went out
     started: set[int] = set()
 
     def chunk(i: int, reply) -> str:

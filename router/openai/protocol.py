@@ -22,6 +22,7 @@ from baton.router.openai.chat_fields import (
 )
 from baton.router.openai.structured import structured_output
 from baton.services.common.errors import shown
+from baton.services.common.limits import Limits, OverLimit
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.rpc.convert import sampling_message
 from baton.services.rpc.errors import InvalidArgument
@@ -134,6 +135,28 @@ class Common(BaseModel):
             out[int(key)] = bias
         return out
 
+    def check_answer(self, requests: list[gen.GenerateRequest], limits: Limits) -> None:
+        """The tokens and logprobs the answer may hold, reckoned as vLLM's users would
+        (each prompt's n x max_tokens x (1 + top_logprobs); max_tokens unset in a chat is
+        the whole context), against --max-answer-tokens: refused before anything runs,
+        naming the fields."""
+        if not requests:
+            return
+        s = requests[0].sampling  # every choice's is the same, but for its seed
+        top = s.logprobs if s.HasField("logprobs") else 0
+        total = len(requests) * s.max_tokens * (1 + top)
+        if total > limits.max_answer_tokens:
+            most, top_name = self.answer_fields()
+            raise OverLimit(
+                f"{most}: {len(requests) // self.n} prompt(s) x n {self.n} x {most} "
+                f"{s.max_tokens} x (1 + {top_name} {top}) = {total} tokens and logprobs "
+                f"in the answer, over the limit of {limits.max_answer_tokens} "
+                "(--max-answer-tokens)")
+
+    def answer_fields(self) -> tuple[str, str]:
+        """The names of the fields that size the answer: (max tokens, top logprobs)."""
+        return "max_tokens", "logprobs"
+
     def choices(self, prompts: list[dict], max_tokens: int | None, logprobs: int | None
                 ) -> list[gen.GenerateRequest]:
         """One request per prompt and choice, in OpenAI's order (prompt-major). A seeded
@@ -163,6 +186,10 @@ class ChatRequest(Common):
 
     def prompt_count(self) -> int:
         return 1
+
+    def answer_fields(self) -> tuple[str, str]:
+        most = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return most, "top_logprobs"
 
     def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
         self.refuse_unsupported()

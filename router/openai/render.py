@@ -1,5 +1,10 @@
 """Generation's responses as OpenAI's JSON: whole completions, stream chunks, logprobs in
-each endpoint's own shape, usage with cached prompt tokens, and errors."""
+each endpoint's own shape, usage with cached prompt tokens, and errors.
+
+A whole response is written as JSON a piece at a time (`Renderer.whole_json`), on a
+thread: each choice's fields, then its logprobs ROWS rows at a time, never one tree of
+Python objects for the whole answer. The event loop gets the interpreter back between
+pieces, and the answer costs its JSON text and little more."""
 
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ import grpc
 from baton.services.common.finish import FinishReason
 from baton.services.rpc.convert import finish_reason_of
 from baton.v1 import generation_pb2 as gen
+
+ROWS = 256  # logprob rows written as JSON at a time
+# Strict JSON, as Starlette's JSONResponse writes it: a NaN or an infinity raises.
+_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 # A status code as an HTTP status and OpenAI's error type.
 HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -95,6 +104,27 @@ class Choice:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Tally:
+    """What a streamed choice keeps: its usage counts, never its tokens or logprobs (they
+    went out in the chunks)."""
+
+    index: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, reply: gen.GenerateResponse) -> None:
+        self.completion_tokens += len(reply.delta.token_ids)
+        if reply.HasField("usage"):
+            self.prompt_tokens = reply.usage.prompt_tokens
+            self.cached_tokens = reply.usage.cached_tokens
+
 
 @dataclass
 class ParsedMessage:
@@ -143,11 +173,11 @@ def chat_delta(chat: gen.ChatDelta, first: bool) -> dict:
     return out
 
 
-def usage(choices: list[Choice], n: int) -> dict:
+def usage(choices: list[Choice] | list[Tally], n: int) -> dict:
     """Each prompt counted once though its n choices each ran it (sharing its cache)."""
     prompts = choices[::n]
     prompt = sum(c.prompt_tokens for c in prompts)
-    completion = sum(len(c.token_ids) for c in choices)
+    completion = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)}}
@@ -192,22 +222,48 @@ class Renderer:
                 "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in rows],
                 "text_offset": offsets}  # from the start of these tokens' text
 
-    def whole(self, choices: list[Choice], n: int, want_top: int) -> dict:
-        body = self._head(chunk=False)
-        body["choices"] = [self._choice(c, want_top) for c in choices]
-        body["usage"] = usage(choices, n)
-        return body
+    def whole_json(self, choices: list[Choice], n: int, want_top: int) -> bytes:
+        """The whole response as JSON bytes, written a piece at a time (for a thread)."""
+        out = [_dumps(self._head(chunk=False))[:-1], ',"choices":[']
+        for k, c in enumerate(choices):
+            # The choice's own fields, its logprobs put in before its closing brace.
+            out += [","] if k else []
+            out += [_dumps(self._choice(c))[:-1], ',"logprobs":']
+            out += self._logprobs_json(c.logprobs, c.token_ids, want_top)
+            out.append("}")
+        out += ['],"usage":', _dumps(usage(choices, n)), "}"]
+        return "".join(out).encode()
 
-    def _choice(self, c: Choice, want_top: int) -> dict:
+    def _choice(self, c: Choice) -> dict:
+        """A whole choice, but for its logprobs."""
         finish, stop_reason = finish_of(c.finish_reason, c.stop_reason)
-        out = {"index": c.index, "finish_reason": finish, "stop_reason": stop_reason,
-               "logprobs": self.logprobs(c.logprobs, c.token_ids, want_top)}
+        out = {"index": c.index, "finish_reason": finish, "stop_reason": stop_reason}
         if self.chat:
             out["message"] = (c.parsed.message() if c.parsed is not None
                               else {"role": "assistant", "content": c.text})
         else:
             out["text"] = (self.echo[c.index] if self.echo else "") + c.text
         return out
+
+    def _logprobs_json(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
+                       want_top: int) -> list[str]:
+        """`logprobs(entries, token_ids, want_top)` as JSON, ROWS rows at a time (each
+        part written before the next is made)."""
+        if not entries:
+            return ["null"]
+        parts = (self.logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS], want_top)
+                 for i in range(0, len(entries), ROWS))
+        if self.chat:
+            return ['{"content":[', _items(_dumps(p["content"]) for p in parts), "]}"]
+        names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        columns: dict[str, list[str]] = {name: [] for name in names}
+        at = 0  # text_offset runs on from one part to the next
+        for p in parts:
+            p["text_offset"] = [at + x for x in p["text_offset"]]
+            at += sum(map(len, p["tokens"]))
+            for name in names:
+                columns[name].append(_dumps(p[name]))
+        return ["{", ",".join(f'"{name}":[{_items(columns[name])}]' for name in names), "}"]
 
     def chunk(self, index: int, reply: gen.GenerateResponse, first: bool, want_top: int,
               with_usage: bool) -> dict:
@@ -234,3 +290,8 @@ class Renderer:
         body["choices"] = []
         body["usage"] = usage(choices, n)
         return body
+
+
+def _items(arrays) -> str:
+    """JSON arrays' items as one array's (without its brackets)."""
+    return ",".join(a[1:-1] for a in arrays if a != "[]")

@@ -6,7 +6,9 @@ prompt is computed once. Every choice's slot of --max-inflight is taken before t
 starts (`Admission`), so a choice that starts later is never refused mid-stream. Events
 come out in arrival order; the first error ends them all. Closing the run (the client
 left) closes every choice's stream, which cancels the worker calls and frees their
-blocks, and gives back the slots of choices that never started.
+blocks, and gives back the slots of choices that never started. The events wait in a
+bounded queue: a client that reads slowly holds its choices' streams back (and with
+them the workers' calls), never a growing pile of replies on the router.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from contextlib import aclosing
 from baton.router.core import Admission, Caller, Router
 from baton.v1 import generation_pb2 as gen
 
+QUEUED = 64  # replies of a request waiting for its client, over all of its choices
+
 
 class Run:
     def __init__(self, router: Router, requests: list[gen.GenerateRequest], n: int,
                  caller: Caller, admission: Admission):
         self.router, self.requests, self.n, self.caller = router, requests, n, caller
         self.admission = admission  # one slot per request
-        self._events: asyncio.Queue = asyncio.Queue()
+        self._events: asyncio.Queue = asyncio.Queue(QUEUED)
         self._tasks: list[asyncio.Task] = []
         self._open = len(requests)
 

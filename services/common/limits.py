@@ -48,6 +48,9 @@ class Limits:
     max_cache_salt_chars: int = _limit(1024, "characters", CACHE_SALT_CEILING // 2)
     max_request_id_chars: int = _limit(256, "characters", REQUEST_ID_CEILING // 2)
     max_user_chars: int = _limit(256, "characters")
+    # What one OpenAI request's answer may hold: each prompt's n x max_tokens x (1 +
+    # top_logprobs) tokens and logprobs, each rendered on the router.
+    max_answer_tokens: int = _limit(1024 * 1024, "tokens and logprobs")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

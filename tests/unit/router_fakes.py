@@ -55,10 +55,17 @@ def tokens(msgs) -> list[int]:
     return [t for m in msgs for t in m.delta.token_ids]
 
 
-def _delta(prompt: list[int], k: int, last: bool) -> gen.TokenDelta:
+def _delta(prompt: list[int], k: int, last: bool, sampling: gen.SamplingParams
+           ) -> gen.TokenDelta:
     t = token(prompt, k)
-    return gen.TokenDelta(token_ids=[t], text=f"<{t}>",
-                          finish_reason=gen.FINISH_REASON_LENGTH if last else 0)
+    out = gen.TokenDelta(token_ids=[t], text=f"<{t}>",
+                         finish_reason=gen.FINISH_REASON_LENGTH if last else 0)
+    if sampling.HasField("logprobs"):  # the token's own, then the top N (it first)
+        out.logprobs.add().entries.extend(
+            [gen.Logprob(token_id=t, logprob=-0.5)] + [
+                gen.Logprob(token_id=t + j, logprob=-0.5 - j) for j in range(
+                    sampling.logprobs)])
+    return out
 
 
 @dataclass
@@ -86,6 +93,9 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     prefills: list[str] = field(default_factory=list)
     decodes: list[wk.DecodeRequest] = field(default_factory=list)
     active: int = 0
+    # decode: request id -> the KV blocks its stream holds (its prompt's and its tokens'
+    # so far), as an engine's pool would; freed when the stream ends, however it ends.
+    blocks: dict[str, int] = field(default_factory=dict)
     prefilling: int = 0  # Prefill calls under way
     kv: KvEventLog = field(default_factory=KvEventLog)  # the prompts' blocks it "caches"
     _thaw: asyncio.Event | None = None
@@ -147,7 +157,8 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         cached = self.cached_tokens(prompt, request.cache_salt)
         self.cache(prompt, request.cache_salt)
         max_tokens = request.sampling.max_tokens or 16
-        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1),
+        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1,
+                                                          request.sampling),
                                    cached_tokens=cached)
         if max_tokens > 1:
             lease = next(_lease_ids)
@@ -207,8 +218,10 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         else:
             start = len(request.output_token_ids)
         self.active += 1
+        rid = request.request_id
         try:
             for n, k in enumerate(range(start, max_tokens)):
+                self.blocks[rid] = -(-(len(prompt) + k + 1) // 16)
                 if self.die_after is not None and n >= self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
                 if self.gate is not None and n >= self.ungated:
@@ -218,11 +231,12 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                     await asyncio.sleep(self.token_delay_s)
                 last = k == max_tokens - 1
                 ends = last and not self.die_before_finish
-                yield wk.DecodeResponse(delta=_delta(prompt, k, ends))
+                yield wk.DecodeResponse(delta=_delta(prompt, k, ends, request.sampling))
                 if last and self.die_before_finish:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
         finally:
             self.active -= 1
+            self.blocks.pop(rid, None)
 
     # ---- every worker ----------------------------------------------------------------
 

@@ -254,7 +254,7 @@ def test_openai_shows_constraint_as_stop_with_stop_reason(chat):
     ended, stopped = Choice(0), Choice(1)
     ended.add(_reply(gen.FINISH_REASON_CONSTRAINT))
     stopped.add(_reply(gen.FINISH_REASON_STOP, stop_string="END"))
-    body = renderer.whole([ended, stopped], 1, 0)
+    body = json.loads(renderer.whole_json([ended, stopped], 1, 0))
     got = [(c["finish_reason"], c["stop_reason"]) for c in body["choices"]]
     assert got == [("stop", "constraint"), ("stop", "END")]
     chunk = renderer.chunk(0, _reply(gen.FINISH_REASON_CONSTRAINT), True, 0, False)
