@@ -86,8 +86,14 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
                     chat=config.chat_settings())
+
+    def max_model_len() -> int | None:  # once a worker has said it
+        info = registry.model_info()
+        return info.max_model_len or None if info is not None else None
+
     lifecycle.request_checks.update({
-        method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
+        method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits,
+                                                                        max_model_len),
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
     lifecycle.parse_pool = intake.parse_pool
     return Router(registry, intake, config.max_inflight, config.request_timeout,

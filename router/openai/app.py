@@ -156,7 +156,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         try:
             # Counted, parsed and built on the intake's parse threads (not the
             # tokenizer's), never per item on the event loop (body.py).
-            body = await intake.parse(parse_body, await _body(request), kind, intake.limits)
+            body = await intake.parse(parse_body, await _body(request), kind,
+                                      intake.limits, _max_model_len(router))
             info = router.model_info()
             lora = lora_routes.lora_of_model(router, body.model)  # a LoRA adapter's name?
             if lora is None:
@@ -213,6 +214,15 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                             watch, chat)
 
     return app
+
+
+def _max_model_len(router: Router) -> int | None:
+    """The model's, once a worker has said it: a prompt that cannot fit it is refused as
+    its body is counted."""
+    try:
+        return router.model_info().max_model_len or None
+    except ServiceError:
+        return None
 
 
 async def _body(request: Request) -> list[bytes]:

@@ -1,0 +1,133 @@
+"""The abuse suite, before admission: what a caller may hold of the router before its
+request counts against --max-inflight. A 7 MB body of a million prompt token ids (and
+its gRPC twin) is refused on its count (the model-length count of router/wire.py and
+router/openai/body.py), while a poller of /health on the same router sees every answer
+within 0.5 s, and then a normal request is served."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+from contextlib import asynccontextmanager
+
+import grpc
+import httpx
+import pytest
+
+from baton.router import wire
+from baton.router.config import RouterConfig
+from baton.router.openai import body as body_module
+from baton.router.openai.body import parse_body
+from baton.router.openai.protocol import CompletionRequest
+from baton.router.openai.server import HttpServer
+from baton.services.common.limits import Limits
+from baton.services.rpc.config import ServiceConfig
+from baton.services.rpc.errors import InvalidArgument
+from baton.services.rpc.security import Security
+from baton.v1 import generation_pb2 as gen
+from tests.e2e.topology import free_port
+from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected
+from tests.unit.test_abuse import _poll
+
+MILLION = 1_000_000
+HANG_S = 10  # how long a test waits for what must come at once: past it, a hang
+
+
+@asynccontextmanager
+async def _router(tok, keys=(), **bounds):
+    """The real router over fakes, its HTTP API with `bounds` (RouterConfig fields), and
+    a poller of /health on a connection of its own; yields (cluster, base URL, the
+    poller's latencies), and checks every poll was answered within 0.5 s."""
+    async with cluster(tok, worker_timeout=30, api_keys=keys, **bounds) as c:
+        port = free_port()
+        config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port,
+                              api_keys=keys, **bounds)
+        http = HttpServer(config, c.router, Security(ServiceConfig(), keys), c.lifecycle)
+        await http.start()
+        base = f"http://127.0.0.1:{port}"
+        gc.freeze()  # as the router's run() does once loaded (test_abuse.py)
+        stop, latencies = asyncio.Event(), []
+        poller = None
+        try:
+            async with httpx.AsyncClient(base_url=base) as client:
+                deadline = time.monotonic() + 60  # until the router found its workers
+                while (await client.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline, "the router never became ready"
+                    await asyncio.sleep(0.01)
+            poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
+            while not latencies:  # its connection is open before any abuser's
+                await asyncio.sleep(0.01)
+            c.http = http
+            yield c, base, latencies
+            stop.set()
+            await poller
+        finally:
+            stop.set()
+            if poller is not None and not poller.done():
+                poller.cancel()
+            gc.unfreeze()
+            await http.stop()
+    # Idle, the slowest poll takes about 30 ms.
+    assert len(latencies) > 1 and max(latencies) < 0.5, sorted(latencies)[-3:]
+
+
+async def _served(base: str, c, key: str | None = None) -> None:
+    """A normal request, over both APIs, answered as ever."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=base, timeout=HANG_S, headers=headers) as client:
+        reply = await client.post("/v1/completions", json={
+            "model": "fake", "prompt": PROMPT, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "".join(f"<{t}>" for t in expected(PROMPT, 4))
+    msgs = await c.generate(PROMPT, 4, key=key)
+    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+
+
+def test_a_million_prompt_token_ids_are_refused_on_their_count(tok):
+    body = b'{"model": "fake", "prompt": [' + b"12345, " * (MILLION - 1) + b"12345]}"
+    assert len(body) > 7_000_000
+    ids = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[12345] * MILLION),
+                              sampling=gen.SamplingParams(max_tokens=4))
+
+    async def main():
+        async with _router(tok) as (c, base, _):
+            async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as client:
+                t0 = time.perf_counter()
+                reply = await client.post("/v1/completions", content=body,
+                                          headers={"content-type": "application/json"})
+                took = time.perf_counter() - t0
+            error = reply.json()["error"]
+            assert reply.status_code == 400 and error["param"] == "prompt", reply.text
+            # Counted up to the model's length, never parsed whole (1.9 s idle).
+            assert f"{MAX_LEN} or more token ids; max_model_len is {MAX_LEN}" \
+                in error["message"], error
+            # Idle it takes 0.1 s: latency is the contract, bounded at 20 times that.
+            assert took < 2.0, took
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.stub.Generate(ids, timeout=HANG_S).read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(f"token_ids: {MILLION} or more token ids; "
+                                                f"max_model_len is {MAX_LEN}")
+            await _served(base, c)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("prompt", [[7] * 10, [[7], [7] * 10]])
+@pytest.mark.parametrize("counting", [False, True])
+def test_a_prompt_of_token_ids_that_cannot_fit_the_model_is_refused(prompt, counting,
+                                                                     monkeypatch):
+    if counting:  # the parse that counts as it goes, which big bodies take
+        monkeypatch.setattr(body_module, "CHEAP", 0)
+    raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+    assert parse_body(raw, CompletionRequest, Limits(), 11).prompt == prompt
+    with pytest.raises(InvalidArgument, match="^prompt: 10 .*max_model_len is 10$"):
+        parse_body(raw, CompletionRequest, Limits(), 10)
+    ids = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[7] * 6)).SerializeToString()
+    wire.check_generate(Limits(), lambda: 10)(ids)
+    wire.check_generate(Limits(), lambda: None)(ids * 2)  # no worker has said it yet
+    with pytest.raises(InvalidArgument, match="^token_ids: 12 or more token ids; "
+                                              "max_model_len is 10$"):
+        wire.check_generate(Limits(), lambda: 10)(ids * 2)  # protobuf merges the two
