@@ -177,6 +177,10 @@ FLAGS: list[Flag] = [
        "requests in flight at once; past it, RESOURCE_EXHAUSTED", kind=int),
     _f("request-timeout", ROUTERS, "router.request_timeout",
        "the deadline of a request whose client set none (seconds)", kind=float),
+    # -- before admission (router and colocated; README "Limits")
+    _f("max-grpc-calls", ROUTERS, "router.max_grpc_calls",
+       "gRPC calls at once, of any method; past it, RESOURCE_EXHAUSTED (default: 4 x "
+       "--max-inflight)", kind=int, optional=True),
     # -- the size of one request (router and colocated; README "Limits")
     _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
        kind=int),

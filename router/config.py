@@ -39,6 +39,7 @@ class RouterConfig:
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
+    max_grpc_calls: int | None = None  # calls at once, any method; None: 4 x max_inflight
     request_timeout: float = 600.0  # the deadline of a request whose client set none
     poll_interval: float = 0.5  # seconds between stats polls of every worker
     worker_timeout: float = 3.0  # a worker silent this long is down (dead or frozen)
@@ -68,6 +69,8 @@ class RouterConfig:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
         if self.discovery_grace < 0:
             raise ValueError(f"discovery_grace must be >= 0, got {self.discovery_grace!r}")
+        if self.max_grpc_calls is not None and self.max_grpc_calls < 1:
+            raise ValueError(f"max_grpc_calls must be >= 1, got {self.max_grpc_calls!r}")
         for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -85,6 +88,9 @@ class RouterConfig:
         if self.allow_runtime_lora_updating and not self.lora_root:
             raise ValueError("allow_runtime_lora_updating needs lora_root: the directory "
                              "that adapters loaded at run time must lie beneath")
+
+    def grpc_calls(self) -> int:
+        return self.max_grpc_calls or 4 * self.max_inflight
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(self.tool_call_parser, self.enable_auto_tool_choice,

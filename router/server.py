@@ -146,7 +146,8 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
     serve_metrics(svc, [router.metrics.registry, *registries])
     await run_server(svc.address, register, lifecycle, idle=idle, on_start=start,
                      on_stop=stop, grace_s=svc.drain_grace, serving_at_start=False,
-                     credentials=security.server_credentials(public=True))
+                     credentials=security.server_credentials(public=True),
+                     max_calls=config.grpc_calls())
 
 
 def serve(config: RouterConfig) -> None:

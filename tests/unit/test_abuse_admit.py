@@ -2,7 +2,8 @@
 request counts against --max-inflight. A 7 MB body of a million prompt token ids (and
 its gRPC twin) is refused on its count (the model-length count of router/wire.py and
 router/openai/body.py), while a poller of /health on the same router sees every answer
-within 0.5 s, and then a normal request is served."""
+within 0.5 s, and then a normal request is served; gRPC calls past --max-grpc-calls are
+refused."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import gc
 import json
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import grpc
 import httpx
 import pytest
 
+from baton.router import server as router_server
 from baton.router import wire
 from baton.router.config import RouterConfig
 from baton.router.openai import body as body_module
@@ -26,6 +29,7 @@ from baton.services.common.limits import Limits
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.security import Security
+from baton.services.rpc.server import Lifecycle, make_server
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
 from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected
@@ -131,3 +135,60 @@ def test_a_prompt_of_token_ids_that_cannot_fit_the_model_is_refused(prompt, coun
     with pytest.raises(InvalidArgument, match="^token_ids: 12 or more token ids; "
                                               "max_model_len is 10$"):
         wire.check_generate(Limits(), lambda: 10)(ids * 2)  # protobuf merges the two
+
+
+async def _until(condition) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, "waited in vain"
+        await asyncio.sleep(0.01)
+
+
+def test_the_grpc_server_serves_at_most_its_calls_at_once():
+    async def main():
+        go, serving = asyncio.Event(), []
+
+        async def wait(request, context):
+            serving.append(request)
+            await go.wait()
+            return request
+
+        def register(server):
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "toy.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}),))
+            return ["toy.Wait"]
+
+        server = make_server(register, Lifecycle(), max_calls=2)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary("/toy.Wait/Wait")
+                held = [asyncio.ensure_future(call(b"x", timeout=HANG_S)) for _ in range(2)]
+                await _until(lambda: len(serving) == 2)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"x", timeout=HANG_S)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                go.set()
+                assert await asyncio.gather(*held) == [b"x", b"x"]
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert RouterConfig().grpc_calls() == 4 * RouterConfig().max_inflight
+
+
+def test_the_router_serves_its_grpc_calls_within_the_bound(monkeypatch):
+    served = {}
+
+    async def run_server(*args, **kw):
+        served.update(kw)
+
+    monkeypatch.setattr(router_server, "run_server", run_server)
+    router = SimpleNamespace(metrics=SimpleNamespace(registry=None))
+    try:
+        asyncio.run(router_server.run(RouterConfig(http_port=0, max_grpc_calls=7), router,
+                                      Lifecycle()))
+    finally:
+        gc.unfreeze()  # run() freezes what is loaded by then
+    assert served["max_calls"] == 7
