@@ -39,7 +39,12 @@ class RouterConfig:
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
+    # Before admission (router/openai/server.py): what callers may hold of the router
+    # before their requests count against max_inflight.
+    max_http_connections: int | None = None  # None: 4 x max_inflight
     max_grpc_calls: int | None = None  # calls at once, any method; None: 4 x max_inflight
+    http_header_timeout: float = 20.0  # seconds to send a request's headers
+    http_body_timeout: float = 60.0  # seconds to send a request's body, once its headers are in
     request_timeout: float = 600.0  # the deadline of a request whose client set none
     poll_interval: float = 0.5  # seconds between stats polls of every worker
     worker_timeout: float = 3.0  # a worker silent this long is down (dead or frozen)
@@ -58,7 +63,8 @@ class RouterConfig:
     lora_root: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout"):
+        for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout",
+                     "http_header_timeout", "http_body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.http_port < 65536:
@@ -69,8 +75,9 @@ class RouterConfig:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
         if self.discovery_grace < 0:
             raise ValueError(f"discovery_grace must be >= 0, got {self.discovery_grace!r}")
-        if self.max_grpc_calls is not None and self.max_grpc_calls < 1:
-            raise ValueError(f"max_grpc_calls must be >= 1, got {self.max_grpc_calls!r}")
+        for name in ("max_http_connections", "max_grpc_calls"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -88,6 +95,9 @@ class RouterConfig:
         if self.allow_runtime_lora_updating and not self.lora_root:
             raise ValueError("allow_runtime_lora_updating needs lora_root: the directory "
                              "that adapters loaded at run time must lie beneath")
+
+    def http_connections(self) -> int:
+        return self.max_http_connections or 4 * self.max_inflight
 
     def grpc_calls(self) -> int:
         return self.max_grpc_calls or 4 * self.max_inflight

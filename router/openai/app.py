@@ -9,8 +9,9 @@
     POST /tokenize, /detokenize; GET /version    vLLM's (extra_routes.py)
 
 Errors come in OpenAI's JSON shape with the right HTTP status: 400 naming the field, 401
-without a valid key, 404 for another model, 429 with Retry-After, 503, 504. A client
-that disconnects cancels its request everywhere.
+without a valid key, 404 for another model, 408 for a body that takes too long to arrive,
+413, 429 with Retry-After, 503, 504. A client that disconnects cancels its request
+everywhere.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def api_error(e: Exception, chat: bool = False) -> ApiError:
 
 class Guard:
     """Before anything is parsed or queued: the size of the body, the API key, the
-    drain. Counts the requests in flight for the drain. (Plain ASGI: it wraps streams
-    without buffering them.)"""
+    drain; then the body, read within `body_timeout` seconds (408 past it). Counts the
+    requests in flight for the drain. (Plain ASGI: it wraps streams without buffering
+    them.)"""
 
-    def __init__(self, app, security: Security, lifecycle: Lifecycle):
+    def __init__(self, app, security: Security, lifecycle: Lifecycle,
+                 body_timeout: float | None = None):
         self.app, self.security, self.lifecycle = app, security, lifecycle
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not extra_routes.guarded(scope["path"]):
@@ -70,25 +74,21 @@ class Guard:
         refusal = None
         key_id = self.security.key_id(headers.get("authorization"))
         if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            refusal = _too_big()
+            refusal = _response(*_too_big())
         elif key_id is None:
-            refusal = error_body(grpc.StatusCode.UNAUTHENTICATED,
-                                 "a valid API key is required: 'Authorization: Bearer <key>'")
+            refusal = _response(*error_body(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: 'Authorization: Bearer <key>'"))
         elif self.lifecycle.draining and scope["method"] == "POST":
-            refusal = error_body(grpc.StatusCode.UNAVAILABLE, "draining: no new requests")
+            refusal = _response(*error_body(grpc.StatusCode.UNAVAILABLE,
+                                            "draining: no new requests"))
+        body = None
+        if refusal is None:
+            refusal, body = await self._read(receive)
         if refusal is not None:
-            return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
-        body, size, more = [], 0, True  # read (and bound) the body before the app parses it
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body.append(message.get("body", b""))
-            size += len(body[-1])
-            more = message.get("more_body", False)
-            if size > MAX_BODY_BYTES:
-                status, too_big = _too_big()
-                return await JSONResponse(too_big, status_code=status)(scope, receive, send)
+            return await refusal(scope, receive, send)
+        if body is None:  # the client left
+            return
         # Replayed as it came, never joined here: a 31 MB body is joined (if at all) on
         # the intake's parse threads, not on the event loop.
         replay = iter([{"type": "http.request", "body": chunk, "more_body": i < len(body) - 1}
@@ -105,15 +105,42 @@ class Guard:
         finally:
             self.lifecycle.inflight -= 1
 
+    async def _read(self, receive) -> tuple[JSONResponse | None, list[bytes] | None]:
+        """(None, the body's chunks as they came), (a refusal, None), or (None, None)
+        when the client left."""
+        body, size, more = [], 0, True
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return None, None
+                    body.append(message.get("body", b""))
+                    size += len(body[-1])
+                    more = message.get("more_body", False)
+                    if size > MAX_BODY_BYTES:
+                        return _response(*_too_big()), None
+        except TimeoutError:
+            return _response(408, error_body(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the body took over {self.body_timeout:g} s to arrive "
+                "(--http-body-timeout)")[1]), None
+        return None, body
+
+
+def _response(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
 
 def _too_big() -> tuple[int, dict]:
     return 413, error_body(InvalidArgument.code, f"the body is over {MAX_BODY_BYTES} bytes")[1]
 
 
 def make_app(router: Router, security: Security, lifecycle: Lifecycle,
-             registries=()) -> FastAPI:
+             registries=(), body_timeout: float | None = None) -> FastAPI:
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, security=security, lifecycle=lifecycle)
+    app.add_middleware(Guard, security=security, lifecycle=lifecycle,
+                       body_timeout=body_timeout)
     errors.install(app)  # OpenAI's error shape for the rest, and the catch-all outside
     lora_routes.install(app, router, api_error)
     extra_routes.install(app, router, ApiError, api_error)  # X-Request-Id around it all

@@ -1,9 +1,11 @@
 """The abuse suite, before admission: what a caller may hold of the router before its
-request counts against --max-inflight. A 7 MB body of a million prompt token ids (and
-its gRPC twin) is refused on its count (the model-length count of router/wire.py and
-router/openai/body.py), while a poller of /health on the same router sees every answer
-within 0.5 s, and then a normal request is served; gRPC calls past --max-grpc-calls are
-refused."""
+request counts against --max-inflight (router/openai/server.py, the Guard of
+router/openai/app.py, the model-length count of router/wire.py and
+router/openai/body.py). Slow clients (headers or bodies trickled) are cut, connections
+past the limit refused, and a 7 MB body of a million prompt token ids (and its gRPC
+twin) refused on its count; each while a poller of /health on the same router sees
+every answer within 0.5 s, and then a normal request is served. gRPC calls past
+--max-grpc-calls are refused."""
 
 from __future__ import annotations
 
@@ -87,6 +89,76 @@ async def _served(base: str, c, key: str | None = None) -> None:
     assert reply.json()["choices"][0]["text"] == "".join(f"<{t}>" for t in expected(PROMPT, 4))
     msgs = await c.generate(PROMPT, 4, key=key)
     assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+
+
+async def _connect(port: int, first: bytes):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(first)
+    await writer.drain()
+    return reader, writer
+
+
+async def _answer(reader) -> bytes:
+    """What the router sent before it closed (a reset after its answer included)."""
+    got = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), HANG_S):
+            got += chunk
+    except ConnectionError:
+        pass
+    return got
+
+
+async def _trickle(writer, byte: bytes) -> None:
+    """One byte at a time, as a slow client sends, until the router closes on it."""
+    try:
+        while not writer.is_closing():
+            writer.write(byte)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+    except (ConnectionError, OSError):
+        pass
+
+
+def test_slow_clients_are_cut_and_connections_past_the_limit_refused(tok):
+    async def main():
+        bounds = {"max_http_connections": 6, "http_header_timeout": 0.5,
+                  "http_body_timeout": 0.5}
+        async with _router(tok, **bounds) as (c, base, _):
+            port = int(base.rsplit(":", 1)[1])
+            # Three trickle their headers, two their bodies: with the poller's, the six
+            # connections of the limit.
+            slow = [await _connect(port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                    for _ in range(3)]
+            slow += [await _connect(port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                    b"content-type: application/json\r\n"
+                                    b"content-length: 100000\r\n\r\n{") for _ in range(2)]
+            trickles = [asyncio.ensure_future(_trickle(w, b"x" if i < 3 else b" "))
+                        for i, (_, w) in enumerate(slow)]
+            connections = c.http.server.server_state.connections
+            deadline = time.monotonic() + HANG_S
+            while len(connections) < 6:
+                assert time.monotonic() < deadline, len(connections)
+                await asyncio.sleep(0.01)
+            for _ in range(3):  # past the limit: 503 at once, nothing read
+                reader, writer = await _connect(port, b"")
+                reply = await _answer(reader)
+                assert reply.startswith(b"HTTP/1.1 503 ") and b"--max-http-connections" \
+                    in reply, reply
+                writer.close()
+            replies = [await _answer(r) for r, _ in slow]
+            for w in (w for _, w in slow):
+                w.close()
+            await asyncio.gather(*trickles)
+            for reply in replies[:3]:
+                assert reply.startswith(b"HTTP/1.1 408 ") and b"--http-header-timeout" \
+                    in reply, reply
+            for reply in replies[3:]:
+                assert reply.startswith(b"HTTP/1.1 408 ") and b"--http-body-timeout" \
+                    in reply, reply
+            await _served(base, c)
+
+    asyncio.run(main())
 
 
 def test_a_million_prompt_token_ids_are_refused_on_their_count(tok):
@@ -175,7 +247,8 @@ def test_the_grpc_server_serves_at_most_its_calls_at_once():
             await server.stop(0)
 
     asyncio.run(main())
-    assert RouterConfig().grpc_calls() == 4 * RouterConfig().max_inflight
+    config = RouterConfig()
+    assert config.grpc_calls() == config.http_connections() == 4 * config.max_inflight
 
 
 def test_the_router_serves_its_grpc_calls_within_the_bound(monkeypatch):
