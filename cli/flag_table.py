@@ -178,6 +178,12 @@ FLAGS: list[Flag] = [
     _f("request-timeout", ROUTERS, "router.request_timeout",
        "the deadline of a request whose client set none (seconds)", kind=float),
     # -- before admission (router and colocated; README "Limits")
+    _f("max-unparsed-bytes", ROUTERS, "router.max_unparsed_bytes",
+       "bytes of requests read but not yet parsed (HTTP bodies, gRPC messages), all "
+       "callers together; past it, RESOURCE_EXHAUSTED / 429", kind=int),
+    _f("max-parses-per-key", ROUTERS, "router.max_parses_per_key",
+       "requests of one API key parsed at once; its others wait their turn (without API "
+       "keys every caller is one key)", kind=int),
     _f("max-http-connections", ROUTERS, "router.max_http_connections",
        "HTTP connections open at once; past it, a new one gets 503 and is closed "
        "(default: 4 x --max-inflight)", kind=int, optional=True),

@@ -39,8 +39,10 @@ class RouterConfig:
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
-    # Before admission (router/openai/server.py): what callers may hold of the router
-    # before their requests count against max_inflight.
+    # Before admission (router/unparsed.py, router/openai/server.py): what callers may
+    # hold of the router before their requests count against max_inflight.
+    max_unparsed_bytes: int = 512 * 1024 * 1024  # read, not yet parsed, all requests
+    max_parses_per_key: int = 1  # parses in flight per API key; its others wait
     max_http_connections: int | None = None  # None: 4 x max_inflight
     max_grpc_calls: int | None = None  # calls at once, any method; None: 4 x max_inflight
     http_header_timeout: float = 20.0  # seconds to send a request's headers
@@ -64,7 +66,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "request_timeout", "poll_interval", "worker_timeout",
-                     "http_header_timeout", "http_body_timeout"):
+                     "max_unparsed_bytes", "max_parses_per_key", "http_header_timeout",
+                     "http_body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.http_port < 65536:

@@ -85,7 +85,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                                config.revision, config.tokenizer_revision)
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
-                    chat=config.chat_settings())
+                    chat=config.chat_settings(), parses_per_key=config.max_parses_per_key,
+                    unparsed_bytes=config.max_unparsed_bytes)
 
     def max_model_len() -> int | None:  # once a worker has said it
         info = registry.model_info()
@@ -103,6 +104,14 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                               config.allow_runtime_lora_updating, config.lora_root))
 
 
+def authorize(lifecycle: Lifecycle, router: Router, security: Security) -> None:
+    """The interceptor's API-key check of the Generation methods, and the parse of a
+    checked request in its key's turn, within the unparsed budget."""
+    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    lifecycle.parse = lambda metadata, load, raw: router.intake.parse_message(
+        security.grpc_key_id(metadata) or "", load, raw)
+
+
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,
               on_stop=None, registries=()) -> None:
     """Serve `router` over gRPC (and HTTP when config.http_port) until SIGTERM, drain,
@@ -116,7 +125,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
             raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
                              f"{config.http_port}) needs `pip install baton[http]` "
                              f"({e.name} is missing); or pass --http-port 0") from None
-    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    authorize(lifecycle, router, security)
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
 

@@ -38,6 +38,9 @@ CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json 
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
 CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
 BAD_WORDS = "bad_words"  # the engine's fixed bound on bad_words (BAD_WORDS_CEILING)
+# In the ASGI scope (the app's Guard puts them there): the caller's API key as
+# security.key_id, and the body's bytes held against the unparsed budget (unparsed.py).
+KEY_ID, HELD = "baton.key_id", "baton.held"
 PROMPT_IDS = "prompt ids"  # one of several prompts of token ids: max_model_len alone
 # The arrays a body may hold that have a limit, by the keys down to them, and what each
 # counts against: a Limits field, CHOICES or BAD_WORDS.
@@ -76,9 +79,20 @@ def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
 
 async def read_body(intake, request, kind: type[BaseModel]) -> BaseModel:
     """A route's body as `kind` (parse_body), its chunks parsed on the intake's parse
-    threads, never on the event loop."""
+    threads in its caller's turn, never on the event loop."""
     chunks = [chunk async for chunk in request.stream() if chunk]
-    return await intake.parse(parse_body, chunks, kind, intake.limits)
+    try:
+        return await intake.parse(parse_body, chunks, kind, intake.limits,
+                                  key=request.scope.get(KEY_ID, ""))
+    finally:
+        parsed(request.scope)
+
+
+def parsed(scope) -> None:
+    """The body of this request is parsed: its bytes leave the unparsed budget."""
+    held = scope.get(HELD)
+    if held is not None:
+        held.release()
 
 
 def budgets(limits: Limits) -> tuple[int, int]:

@@ -72,6 +72,10 @@ class Lifecycle:
         # run on `parse_pool` (asyncio's default pool when None), never on the event loop.
         self.request_checks: dict[str, Callable[[bytes], None]] = {}
         self.parse_pool: Executor | None = None
+        # (metadata, load, raw) -> load(raw) off the loop, instead of on `parse_pool` at
+        # once: the router's, which bounds the bytes waiting and takes turns by API key.
+        self.parse: Callable[[tuple, Callable[[bytes], object], bytes],
+                             Awaitable[object]] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining);
@@ -178,7 +182,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                                     f"draining: this service takes no new {method} calls")
             state.inflight += work
             try:
-                if offload:
+                if offload and state.parse is not None:
+                    request = await state.parse(context.invocation_metadata(), load, request)
+                elif offload:
                     request = await asyncio.get_running_loop().run_in_executor(
                         state.parse_pool, load, request)
                 if isinstance(request, Undecodable):

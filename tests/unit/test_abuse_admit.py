@@ -1,28 +1,29 @@
 """The abuse suite, before admission: what a caller may hold of the router before its
 request counts against --max-inflight (router/openai/server.py, the Guard of
-router/openai/app.py, the model-length count of router/wire.py and
+router/openai/app.py, router/unparsed.py, the model-length count of router/wire.py and
 router/openai/body.py). Slow clients (headers or bodies trickled) are cut, connections
-past the limit refused, and a 7 MB body of a million prompt token ids (and its gRPC
-twin) refused on its count; each while a poller of /health on the same router sees
-every answer within 0.5 s, and then a normal request is served. gRPC calls past
---max-grpc-calls are refused."""
+past the limit refused, a 7 MB body of a million prompt token ids (and its gRPC twin)
+refused on its count, and an API key that floods the parse threads waits its own turn
+while another key is served; each while a poller of /health on the same router sees
+every answer within 0.5 s, and then a normal request is served. (Each bound alone:
+test_before_admission.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import threading
 import time
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import grpc
 import httpx
 import pytest
 
-from baton.router import server as router_server
 from baton.router import wire
 from baton.router.config import RouterConfig
+from baton.router.openai import app as app_module
 from baton.router.openai import body as body_module
 from baton.router.openai.body import parse_body
 from baton.router.openai.protocol import CompletionRequest
@@ -31,13 +32,13 @@ from baton.services.common.limits import Limits
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, make_server
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
 from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected
-from tests.unit.test_abuse import _poll
+from tests.unit.test_abuse import GENERATE, _poll
 
 MILLION = 1_000_000
+KEYS = ("key-a", "key-b")
 HANG_S = 10  # how long a test waits for what must come at once: past it, a hang
 
 
@@ -156,6 +157,7 @@ def test_slow_clients_are_cut_and_connections_past_the_limit_refused(tok):
             for reply in replies[3:]:
                 assert reply.startswith(b"HTTP/1.1 408 ") and b"--http-body-timeout" \
                     in reply, reply
+            assert c.router.intake.unparsed.held == 0  # the cut bodies' bytes given back
             await _served(base, c)
 
     asyncio.run(main())
@@ -209,6 +211,29 @@ def test_a_prompt_of_token_ids_that_cannot_fit_the_model_is_refused(prompt, coun
         wire.check_generate(Limits(), lambda: 10)(ids * 2)  # protobuf merges the two
 
 
+class _Blocked:
+    """Parses that wait for `go` while their request holds `marker`: how many ever ran
+    at once, and how many are waiting now."""
+
+    def __init__(self, marker: bytes):
+        self.marker, self.go = marker, threading.Event()
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def wrap(self, fn):
+        def blocked(raw, *args):
+            flood = self.marker in (raw if isinstance(raw, bytes) else b"".join(raw))
+            if flood:
+                with self.lock:
+                    self.now += 1
+                    self.most = max(self.most, self.now)
+                self.go.wait(HANG_S)
+                with self.lock:
+                    self.now -= 1
+            return fn(raw, *args)
+
+        return blocked
+
+
 async def _until(condition) -> None:
     deadline = time.monotonic() + HANG_S
     while not condition():
@@ -216,52 +241,37 @@ async def _until(condition) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_the_grpc_server_serves_at_most_its_calls_at_once():
+def test_a_key_that_floods_the_parse_threads_waits_its_own_turn(tok, monkeypatch):
+    http_flood = _Blocked(b'"flood"')
+    monkeypatch.setattr(app_module, "parse_body", http_flood.wrap(app_module.parse_body))
+
     async def main():
-        go, serving = asyncio.Event(), []
+        async with _router(tok, keys=KEYS) as (c, base, _):
+            a = httpx.AsyncClient(base_url=base, timeout=HANG_S,
+                                  headers={"Authorization": "Bearer key-a"})
+            async with a:
+                flood = [asyncio.ensure_future(a.post("/v1/completions", json={
+                    "model": "fake", "prompt": PROMPT, "max_tokens": 2, "user": "flood"}))
+                    for _ in range(4)]
+                await _until(lambda: http_flood.now)
+                # key-a's parses wait their turn; key-b's is served meanwhile.
+                await asyncio.wait_for(_served(base, c, key="key-b"), HANG_S)
+                http_flood.go.set()
+                assert all(r.status_code == 200 for r in await asyncio.gather(*flood))
+            assert http_flood.most == 1  # --max-parses-per-key
 
-        async def wait(request, context):
-            serving.append(request)
-            await go.wait()
-            return request
-
-        def register(server):
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-                "toy.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}),))
-            return ["toy.Wait"]
-
-        server = make_server(register, Lifecycle(), max_calls=2)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.unary_unary("/toy.Wait/Wait")
-                held = [asyncio.ensure_future(call(b"x", timeout=HANG_S)) for _ in range(2)]
-                await _until(lambda: len(serving) == 2)
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await call(b"x", timeout=HANG_S)
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                go.set()
-                assert await asyncio.gather(*held) == [b"x", b"x"]
-        finally:
-            await server.stop(0)
+            grpc_flood = _Blocked(b"flood")
+            check = c.lifecycle.request_checks[GENERATE]
+            c.lifecycle.request_checks[GENERATE] = grpc_flood.wrap(check)
+            calls = [asyncio.ensure_future(c.generate(PROMPT, 2, key="key-a",
+                                                      request_id=f"flood-{i}"))
+                     for i in range(4)]
+            await _until(lambda: grpc_flood.now)
+            await asyncio.wait_for(_served(base, c, key="key-b"), HANG_S)
+            grpc_flood.go.set()
+            for msgs in await asyncio.gather(*calls):
+                assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 2)
+            assert grpc_flood.most == 1
+            assert c.router.intake.turns.keys() == 0  # idle keys are forgotten
 
     asyncio.run(main())
-    config = RouterConfig()
-    assert config.grpc_calls() == config.http_connections() == 4 * config.max_inflight
-
-
-def test_the_router_serves_its_grpc_calls_within_the_bound(monkeypatch):
-    served = {}
-
-    async def run_server(*args, **kw):
-        served.update(kw)
-
-    monkeypatch.setattr(router_server, "run_server", run_server)
-    router = SimpleNamespace(metrics=SimpleNamespace(registry=None))
-    try:
-        asyncio.run(router_server.run(RouterConfig(http_port=0, max_grpc_calls=7), router,
-                                      Lifecycle()))
-    finally:
-        gc.unfreeze()  # run() freezes what is loaded by then
-    assert served["max_calls"] == 7
