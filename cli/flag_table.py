@@ -181,6 +181,25 @@ FLAGS: list[Flag] = [
        "seconds a client may read nothing of its stream (gRPC or SSE) while its buffers "
        "are full; past it the stream is cut and the request aborted, freeing its blocks",
        kind=float),
+    # -- before admission (router and colocated; README "Limits")
+    _f("max-unparsed-bytes", ROUTERS, "router.max_unparsed_bytes",
+       "bytes of requests read but not yet parsed (HTTP bodies, gRPC messages), all "
+       "callers together; past it, RESOURCE_EXHAUSTED / 429", kind=int),
+    _f("max-parses-per-key", ROUTERS, "router.max_parses_per_key",
+       "requests of one API key parsed at once; its others wait their turn (without API "
+       "keys every caller is one key)", kind=int),
+    _f("max-http-connections", ROUTERS, "router.max_http_connections",
+       "HTTP connections open at once; past it, a new one gets 503 and is closed "
+       "(default: 4 x --max-inflight)", kind=int, optional=True),
+    _f("max-grpc-calls", ROUTERS, "router.max_grpc_calls",
+       "gRPC calls at once, of any method; past it, RESOURCE_EXHAUSTED (default: 4 x "
+       "--max-inflight)", kind=int, optional=True),
+    _f("http-header-timeout", ROUTERS, "router.http_header_timeout",
+       "seconds an HTTP request's headers may take to arrive; past it, 408 and the "
+       "connection is closed", kind=float),
+    _f("http-body-timeout", ROUTERS, "router.http_body_timeout",
+       "seconds an HTTP request's body may take to arrive once its headers are in; past "
+       "it, 408", kind=float),
     # -- the size of one request (router and colocated; README "Limits")
     _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
        kind=int),

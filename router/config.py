@@ -39,6 +39,14 @@ class RouterConfig:
     reasoning_parser: str | None = None  # splits a chat's reasoning from its answer
     max_inflight: int = 256  # requests in flight at once; past it, RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)  # the size of one request
+    # Before admission (router/unparsed.py, router/openai/server.py): what callers may
+    # hold of the router before their requests count against max_inflight.
+    max_unparsed_bytes: int = 512 * 1024 * 1024  # read, not yet parsed, all requests
+    max_parses_per_key: int = 1  # parses in flight per API key; its others wait
+    max_http_connections: int | None = None  # None: 4 x max_inflight
+    max_grpc_calls: int | None = None  # calls at once, any method; None: 4 x max_inflight
+    http_header_timeout: float = 20.0  # seconds to send a request's headers
+    http_body_timeout: float = 60.0  # seconds to send a request's body, once its headers are in
     request_timeout: float = 600.0  # the deadline of a request whose client set none
     # A stream whose client reads nothing this long (its buffers full) is cut, and its
     # request aborted: a stalled reader holds no KV blocks.
@@ -61,7 +69,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "request_timeout", "stream_stall_timeout",
-                     "poll_interval", "worker_timeout"):
+                     "poll_interval", "worker_timeout", "max_unparsed_bytes",
+                     "max_parses_per_key", "http_header_timeout", "http_body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.http_port < 65536:
@@ -72,6 +81,9 @@ class RouterConfig:
             raise ValueError(f"discovery_interval must be > 0, got {self.discovery_interval}")
         if self.discovery_grace < 0:
             raise ValueError(f"discovery_grace must be >= 0, got {self.discovery_grace!r}")
+        for name in ("max_http_connections", "max_grpc_calls"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -89,6 +101,12 @@ class RouterConfig:
         if self.allow_runtime_lora_updating and not self.lora_root:
             raise ValueError("allow_runtime_lora_updating needs lora_root: the directory "
                              "that adapters loaded at run time must lie beneath")
+
+    def http_connections(self) -> int:
+        return self.max_http_connections or 4 * self.max_inflight
+
+    def grpc_calls(self) -> int:
+        return self.max_grpc_calls or 4 * self.max_inflight
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(self.tool_call_parser, self.enable_auto_tool_choice,

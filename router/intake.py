@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from baton.router.chat import Chat, ChatSettings, check_chat, plan
 from baton.router.chat_output import ChatOutput
+from baton.router.unparsed import ByteBudget, ParseTurns
 from baton.services.common.limits import Limits
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc.convert import sampling_params
@@ -31,6 +32,7 @@ from baton.v1 import generation_pb2 as gen
 
 MAX_CHARS_PER_TOKEN = 64
 DEFAULT_MAX_MODEL_LEN = 32768  # the bound before any worker has said its own
+UNPARSED_BYTES = 512 * 1024 * 1024  # RouterConfig.max_unparsed_bytes
 
 
 @dataclass
@@ -47,7 +49,8 @@ class Job:
 
 class Intake:
     def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None,
-                 parse_threads: int = 2, chat: ChatSettings | None = None):
+                 parse_threads: int = 2, chat: ChatSettings | None = None,
+                 parses_per_key: int = 1, unparsed_bytes: int = UNPARSED_BYTES):
         self.tokenizer = tokenizer
         self.chat = chat or ChatSettings()  # the router's tool call and reasoning parsers
         self.limits = limits or Limits()
@@ -55,6 +58,8 @@ class Intake:
         # Requests are counted and parsed (gRPC bytes, HTTP bodies) on threads of their
         # own: a few giant bodies delay other parses, never another request's tokenizing.
         self.parse_pool = ThreadPoolExecutor(parse_threads, thread_name_prefix="parse")
+        self.turns = ParseTurns(self.parse_pool, parses_per_key)  # unparsed.py
+        self.unparsed = ByteBudget(unparsed_bytes)  # bodies and messages not yet parsed
 
     async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
         """Validate `request` against the model (`info`, when a worker has said it)."""
@@ -128,9 +133,20 @@ class Intake:
         """fn(*args) on the tokenizer's threads, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def parse(self, fn, *args):
-        """fn(*args) on the parse threads, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, fn, *args)
+    async def parse(self, fn, *args, key: str = ""):
+        """fn(*args) on the parse threads, off the event loop, in the turn of the
+        caller's API key (its security.key_id)."""
+        return await self.turns.run(key, fn, *args)
+
+    async def parse_message(self, key: str, load, raw: bytes):
+        """A gRPC request's bytes through `load`, held against the unparsed budget
+        until parsed (Overloaded when it is spent)."""
+        held = self.unparsed.hold()
+        held.take(len(raw))
+        try:
+            return await self.parse(load, raw, key=key)
+        finally:
+            held.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

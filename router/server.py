@@ -97,9 +97,16 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                                config.revision, config.tokenizer_revision)
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
-                    chat=config.chat_settings())
+                    chat=config.chat_settings(), parses_per_key=config.max_parses_per_key,
+                    unparsed_bytes=config.max_unparsed_bytes)
+
+    def max_model_len() -> int | None:  # once a worker has said it
+        info = registry.model_info()
+        return info.max_model_len or None if info is not None else None
+
     lifecycle.request_checks.update({
-        method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits),
+        method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits,
+                                                                        max_model_len),
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
     lifecycle.parse_pool = intake.parse_pool
     return Router(registry, intake, config.max_inflight, config.request_timeout,
@@ -108,6 +115,14 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                   RouterLoras(config.enable_lora, config.lora_modules,
                               config.allow_runtime_lora_updating, config.lora_root),
                   config.stream_stall_timeout)
+
+
+def authorize(lifecycle: Lifecycle, router: Router, security: Security) -> None:
+    """The interceptor's API-key check of the Generation methods, and the parse of a
+    checked request in its key's turn, within the unparsed budget."""
+    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    lifecycle.parse = lambda metadata, load, raw: router.intake.parse_message(
+        security.grpc_key_id(metadata) or "", load, raw)
 
 
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,
@@ -123,7 +138,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
             raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
                              f"{config.http_port}) needs `pip install baton[http]` "
                              f"({e.name} is missing); or pass --http-port 0") from None
-    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    authorize(lifecycle, router, security)
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
 
@@ -153,7 +168,8 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
     serve_metrics(svc, [router.metrics.registry, *registries])
     await run_server(svc.address, register, lifecycle, idle=idle, on_start=start,
                      on_stop=stop, grace_s=svc.drain_grace, serving_at_start=False,
-                     credentials=security.server_credentials(public=True))
+                     credentials=security.server_credentials(public=True),
+                     max_calls=config.grpc_calls())
 
 
 def serve(config: RouterConfig) -> None:

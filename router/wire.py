@@ -109,8 +109,8 @@ def _packed(raw: bytes, kind: int, start: int, end: int, bound: int) -> int:
 
 
 class _Walk:
-    def __init__(self, raw: bytes, limits: Limits):
-        self.raw, self.limits = raw, limits
+    def __init__(self, raw: bytes, limits: Limits, max_model_len: int | None = None):
+        self.raw, self.limits, self.max_model_len = raw, limits, max_model_len
         self.other_left = OTHER_FIELDS
         self.counts: dict[str, int] = {}
 
@@ -180,6 +180,10 @@ class _Walk:
             if number == IDS:  # packed (counted as bytes, never one id at a time) or not
                 self.add("token_ids", "max_prompt_token_ids",
                          _varints(self.raw, a, b) if kind == LEN else 1)
+                most = self.max_model_len
+                if most is not None and self.counts["token_ids"] >= most:
+                    raise InvalidArgument(f"token_ids: {self.counts['token_ids']} or more "
+                                          f"token ids; max_model_len is {most}")
 
     def sampling(self, start: int, end: int) -> None:
         counted = frozenset({(STOP, LEN), (STOP_TOKEN_IDS, VARINT), (LOGIT_BIAS, LEN),
@@ -232,13 +236,14 @@ class _Walk:
                             constraint_limits.MAX_CONSTRAINT_CHARS, "characters", more=True)
 
 
-def check_generate(limits: Limits) -> Callable[[bytes], None]:
-    """The raw check of Generate: chat messages, token ids, stop strings and their
-    lengths, stop ids, logit_bias entries, bad_words and their lengths, the lengths of
-    text, cache_salt and request_id, and the structured-output constraint's choices, size
-    and start marker."""
+def check_generate(limits: Limits, max_model_len: Callable[[], int | None] = lambda: None
+                   ) -> Callable[[bytes], None]:
+    """The raw check of Generate: chat messages, token ids (and against the model's
+    length, once `max_model_len()` knows it), stop strings and their lengths, stop ids,
+    logit_bias entries, bad_words and their lengths, the lengths of text, cache_salt and
+    request_id, and the structured-output constraint's choices, size and start marker."""
     def check(raw: bytes) -> None:
-        walk = _Walk(raw, limits)
+        walk = _Walk(raw, limits, max_model_len())
         for number, kind, a, b in walk.fields(0, len(raw)):
             if kind != LEN:
                 continue

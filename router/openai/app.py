@@ -9,9 +9,10 @@
     POST /tokenize, /detokenize; GET /version    vLLM's (extra_routes.py)
 
 Errors come in OpenAI's JSON shape with the right HTTP status: 400 naming the field, 401
-without a valid key, 404 for another model, 429 with Retry-After, 503, 504. A client
-that disconnects cancels its request everywhere; one that stops reading its stream is
-cut (streams.py). A whole response is rendered on a thread (render.py).
+without a valid key, 404 for another model, 408 for a body that takes too long to arrive,
+413, 429 with Retry-After, 503, 504. A client that disconnects cancels its request
+everywhere; one that stops reading its stream is cut (streams.py). A whole response is
+rendered on a thread (render.py).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.router.core import Caller, Router
 from baton.router.openai import errors, extra_routes, lora_routes
-from baton.router.openai.body import parse_body
+from baton.router.openai.body import HELD, KEY_ID, parse_body, parsed
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, Tally, error_body, event, param_of
 from baton.router.openai.runs import Run
 from baton.router.openai.streams import EventStream
+from baton.router.unparsed import ByteBudget, Held
 from baton.services.rpc import tracing
-from baton.services.rpc.errors import InvalidArgument, ServiceError
+from baton.services.rpc.errors import InvalidArgument, Overloaded, ServiceError
 from baton.services.rpc.metrics import union
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, status_of
@@ -42,7 +44,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # Whole responses are rendered here, never on the event loop: two at a time at most, so
 # the loop still gets the interpreter often while big answers render.
 RENDER = ThreadPoolExecutor(2, thread_name_prefix="render")
-KEY_ID = "baton.key_id"  # in the ASGI scope: the caller's API key as security.key_id
 
 
 class ApiError(Exception):
@@ -62,54 +63,94 @@ def api_error(e: Exception, chat: bool = False) -> ApiError:
 
 class Guard:
     """Before anything is parsed or queued: the size of the body, the API key, the
-    drain. Counts the requests in flight for the drain. (Plain ASGI: it wraps streams
-    without buffering them.)"""
+    drain; then the body, read within `body_timeout` seconds (408 past it) and held
+    against the `unparsed` budget of every request until the route has parsed it (429
+    when spent). Counts the requests in flight for the drain. (Plain ASGI: it wraps
+    streams without buffering them.)"""
 
-    def __init__(self, app, security: Security, lifecycle: Lifecycle):
+    def __init__(self, app, security: Security, lifecycle: Lifecycle,
+                 unparsed: ByteBudget | None = None, body_timeout: float | None = None):
         self.app, self.security, self.lifecycle = app, security, lifecycle
+        self.unparsed = unparsed or ByteBudget(1 << 62)
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not extra_routes.guarded(scope["path"]):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
-        refusal = None
+        refusal, length = None, int(headers.get("content-length") or 0)
         key_id = self.security.key_id(headers.get("authorization"))
-        if int(headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            refusal = _too_big()
+        if length > MAX_BODY_BYTES:
+            refusal = _response(*_too_big())
         elif key_id is None:
-            refusal = error_body(grpc.StatusCode.UNAUTHENTICATED,
-                                 "a valid API key is required: 'Authorization: Bearer <key>'")
+            refusal = _response(*error_body(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: 'Authorization: Bearer <key>'"))
         elif self.lifecycle.draining and scope["method"] == "POST":
-            refusal = error_body(grpc.StatusCode.UNAVAILABLE, "draining: no new requests")
-        if refusal is not None:
-            return await JSONResponse(refusal[1], status_code=refusal[0])(scope, receive, send)
-        body, size, more = [], 0, True  # read (and bound) the body before the app parses it
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body.append(message.get("body", b""))
-            size += len(body[-1])
-            more = message.get("more_body", False)
-            if size > MAX_BODY_BYTES:
-                status, too_big = _too_big()
-                return await JSONResponse(too_big, status_code=status)(scope, receive, send)
-        # Replayed as it came, never joined here: a 31 MB body is joined (if at all) on
-        # the intake's parse threads, not on the event loop.
-        replay = iter([{"type": "http.request", "body": chunk, "more_body": i < len(body) - 1}
-                       for i, chunk in enumerate(body)])
-
-        async def replayed():
-            message = next(replay, None)
-            return message if message is not None else await receive()
-
-        scope[KEY_ID] = key_id  # the routes give it to the router's Caller
-        self.lifecycle.inflight += 1
+            refusal = _response(*error_body(grpc.StatusCode.UNAVAILABLE,
+                                            "draining: no new requests"))
+        held = self.unparsed.hold()
         try:
-            await self.app(scope, replayed, send)
+            body = None
+            if refusal is None:
+                refusal, body = await self._read(receive, held, length)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+            if body is None:  # the client left
+                return
+            # Replayed as it came, never joined here: a 31 MB body is joined (if at all)
+            # on the intake's parse threads, not on the event loop.
+            replay = iter([{"type": "http.request", "body": chunk,
+                            "more_body": i < len(body) - 1} for i, chunk in enumerate(body)])
+
+            async def replayed():
+                message = next(replay, None)
+                return message if message is not None else await receive()
+
+            scope[KEY_ID] = key_id  # the routes give it to the router's Caller
+            scope[HELD] = held  # a route that has parsed the body releases it
+            self.lifecycle.inflight += 1
+            try:
+                await self.app(scope, replayed, send)
+            finally:
+                self.lifecycle.inflight -= 1
         finally:
-            self.lifecycle.inflight -= 1
+            held.release()
+
+    async def _read(self, receive, held: Held, length: int
+                    ) -> tuple[JSONResponse | None, list[bytes] | None]:
+        """(None, the body's chunks as they came), (a refusal, None), or (None, None)
+        when the client left. Its bytes are held as they come; a body that says it
+        needs more than the budget has left is refused before any of it is read."""
+        body, size, more = [], 0, True
+        try:
+            self.unparsed.check(length)
+            async with asyncio.timeout(self.body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return None, None
+                    body.append(message.get("body", b""))
+                    size += len(body[-1])
+                    more = message.get("more_body", False)
+                    if size > MAX_BODY_BYTES:
+                        return _response(*_too_big()), None
+                    held.take(len(body[-1]))
+        except Overloaded as e:
+            error = api_error(e)
+            return JSONResponse(error.body, status_code=error.status,
+                                headers=error.headers), None
+        except TimeoutError:
+            return _response(408, error_body(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the body took over {self.body_timeout:g} s to arrive "
+                "(--http-body-timeout)")[1]), None
+        return None, body
+
+
+def _response(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
 
 
 def _too_big() -> tuple[int, dict]:
@@ -117,9 +158,10 @@ def _too_big() -> tuple[int, dict]:
 
 
 def make_app(router: Router, security: Security, lifecycle: Lifecycle,
-             registries=()) -> FastAPI:
+             registries=(), body_timeout: float | None = None) -> FastAPI:
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, security=security, lifecycle=lifecycle)
+    app.add_middleware(Guard, security=security, lifecycle=lifecycle,
+                       unparsed=router.intake.unparsed, body_timeout=body_timeout)
     errors.install(app)  # OpenAI's error shape for the rest, and the catch-all outside
     lora_routes.install(app, router, api_error)
     extra_routes.install(app, router, ApiError, api_error)  # X-Request-Id around it all
@@ -162,7 +204,12 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         try:
             # Counted, parsed and built on the intake's parse threads (not the
             # tokenizer's), never per item on the event loop (body.py).
-            body = await intake.parse(parse_body, await _body(request), kind, intake.limits)
+            key = request.scope.get(KEY_ID, "")
+            try:
+                body = await intake.parse(parse_body, await _body(request), kind,
+                                          intake.limits, _max_model_len(router), key=key)
+            finally:
+                parsed(request.scope)
             info = router.model_info()
             lora = lora_routes.lora_of_model(router, body.model)  # a LoRA adapter's name?
             if lora is None:
@@ -171,7 +218,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             if count > router.max_inflight:
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
-            requests = await intake.parse(body.requests, info.max_model_len)
+            requests = await intake.parse(body.requests, info.max_model_len, key=key)
             body.check_answer(requests, intake.limits)  # what rendering it may cost
             for r in requests:
                 r.lora = lora
@@ -188,7 +235,7 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
         extra_routes.tag(request, requests, renderer)  # X-Request-Id names them
         caller = Caller(trace_context=tracing.extract(request.headers),
                         attributes={"baton.user": body.user} if body.user else {},
-                        key_id=request.scope.get(KEY_ID, ""))
+                        key_id=key)
         run = Run(router, requests, body.n, caller, admission)
         run.start()
         events = run.events().__aiter__()
@@ -220,6 +267,15 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
                             watch, chat)
 
     return app
+
+
+def _max_model_len(router: Router) -> int | None:
+    """The model's, once a worker has said it: a prompt that cannot fit it is refused as
+    its body is counted."""
+    try:
+        return router.model_info().max_model_len or None
+    except ServiceError:
+        return None
 
 
 async def _body(request: Request) -> list[bytes]:

@@ -5,7 +5,8 @@ interpreter for long, so the event loop (health, every other stream) keeps answe
     bytes ──> JSON      C's json when the body holds few brackets and commas; otherwise
                         a parse that counts as it goes and stops past the limits (a
                         million prompts or chat messages cost it the first few thousand)
-          ──> counts    prompts, choices, messages, characters, token ids, stop strings,
+          ──> counts    prompts, choices, messages, characters, token ids (and each
+                        prompt's against max_model_len, once known), stop strings,
                         cache_salt, user, a constraint's choices (guided_choice,
                         structured_outputs.choice), logit_bias, bad_words and JSON
                         values: each over its limit is a 400 naming the field
@@ -37,6 +38,10 @@ CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json 
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
 CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
 BAD_WORDS = "bad_words"  # the engine's fixed bound on bad_words (BAD_WORDS_CEILING)
+# In the ASGI scope (the app's Guard puts them there): the caller's API key as
+# security.key_id, and the body's bytes held against the unparsed budget (unparsed.py).
+KEY_ID, HELD = "baton.key_id", "baton.held"
+PROMPT_IDS = "prompt ids"  # one of several prompts of token ids: max_model_len alone
 # The arrays a body may hold that have a limit, by the keys down to them, and what each
 # counts against: a Limits field, CHOICES or BAD_WORDS.
 ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
@@ -50,14 +55,15 @@ MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
-def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits
-               ) -> BaseModel:
+def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
+               max_model_len: int | None = None) -> BaseModel:
     """The body (or its chunks) as `kind`, or a ValueError naming the first field over a
-    limit (OverLimit) or malformed (InvalidArgument)."""
-    data = load_json(raw if isinstance(raw, bytes) else b"".join(raw), limits)
+    limit (OverLimit) or malformed (InvalidArgument). A prompt of token ids that cannot
+    fit `max_model_len` (None: not known yet) is refused as it is counted."""
+    data = load_json(raw if isinstance(raw, bytes) else b"".join(raw), limits, max_model_len)
     if not isinstance(data, dict):
         raise InvalidArgument("body: must be a JSON object")
-    check_counts(data, limits)
+    check_counts(data, limits, max_model_len)
     if isinstance(data.get("tokens"), list):  # /detokenize's
         limits.check("max_prompt_token_ids", len(data["tokens"]), "tokens")
     try:
@@ -73,9 +79,20 @@ def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits
 
 async def read_body(intake, request, kind: type[BaseModel]) -> BaseModel:
     """A route's body as `kind` (parse_body), its chunks parsed on the intake's parse
-    threads, never on the event loop."""
+    threads in its caller's turn, never on the event loop."""
     chunks = [chunk async for chunk in request.stream() if chunk]
-    return await intake.parse(parse_body, chunks, kind, intake.limits)
+    try:
+        return await intake.parse(parse_body, chunks, kind, intake.limits,
+                                  key=request.scope.get(KEY_ID, ""))
+    finally:
+        parsed(request.scope)
+
+
+def parsed(scope) -> None:
+    """The body of this request is parsed: its bytes leave the unparsed budget."""
+    held = scope.get(HELD)
+    if held is not None:
+        held.release()
 
 
 def budgets(limits: Limits) -> tuple[int, int]:
@@ -87,12 +104,13 @@ def budgets(limits: Limits) -> tuple[int, int]:
     return containers, values
 
 
-def load_json(raw: bytes, limits: Limits):
+def load_json(raw: bytes, limits: Limits, max_model_len: int | None = None):
     try:
         if (_count(raw, (b"{", b"["), CHEAP) <= CHEAP
                 and _count(raw, (b",",), 32 * CHEAP) <= 32 * CHEAP):
             return json.loads(raw)
-        return _CountingDecoder(limits, *budgets(limits)).decode(raw.decode("utf-8"))
+        decoder = _CountingDecoder(limits, *budgets(limits), max_model_len)
+        return decoder.decode(raw.decode("utf-8"))
     except RecursionError:
         raise InvalidArgument("body: JSON nested too deeply") from None
     except OverLimit:
@@ -111,10 +129,19 @@ def _count(raw: bytes, chars: tuple[bytes, ...], bound: int) -> int:
     return n
 
 
+def _fits(where: str, ids: int, max_model_len: int | None, more: bool = False) -> None:
+    """A prompt of `ids` token ids (`more`: or more) can fit the model, or is refused."""
+    if max_model_len is not None and ids >= max_model_len:
+        what = f"{ids} or more" if more else str(ids)
+        raise InvalidArgument(f"{where}: {what} token ids; max_model_len is {max_model_len}")
+
+
 def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
     """`limits.check`, or the engine's fixed bound on choices or bad_words."""
     if limit == CHOICES:
         check_bound(where, got, constraint_limits.MAX_CHOICES, "choices", more)
+    elif limit == PROMPT_IDS:
+        pass  # in all, they count against max_prompt_token_ids once parsed
     elif limit == BAD_WORDS:
         check_bound(where, got, BAD_WORDS_CEILING, "words", more)
     else:
@@ -138,9 +165,11 @@ class _CountingDecoder(json.JSONDecoder):
     (ARRAY_LIMITS, found by its decoded keys), chat messages (objects with a string
     "role"), the values inside a constraint, and all the objects, arrays and values."""
 
-    def __init__(self, limits: Limits, containers: int, values: int):
+    def __init__(self, limits: Limits, containers: int, values: int,
+                 max_model_len: int | None = None):
         super().__init__(object_pairs_hook=self._object)
         self.limits, self.containers_left, self.values_left = limits, containers, values
+        self.max_model_len = max_model_len
         self.constraint_values_left = constraint_limits.MAX_CONSTRAINT_CHARS
         self.messages = 0
         self.path: list[str | None] = []  # the keys down to the value being parsed
@@ -151,7 +180,8 @@ class _CountingDecoder(json.JSONDecoder):
         """`scan_once` for a container's values, each counted (and, when the container
         is an array with a `limit`, counted against it); `segment()` names the value
         (its key, or None in an array) in `path` while it is parsed."""
-        items, where = 0, ".".join(self.path) if limit is not None else ""
+        items = 0
+        where = "prompt" if limit == PROMPT_IDS else ".".join(self.path) if limit else ""
 
         def scan(string, idx):
             nonlocal items, limit
@@ -164,6 +194,8 @@ class _CountingDecoder(json.JSONDecoder):
                     limit = "max_prompt_token_ids"  # one prompt of token ids
                 items += 1
                 _check(self.limits, limit, items, where, more=True)
+                if limit in ("max_prompt_token_ids", PROMPT_IDS):
+                    _fits(where, items, self.max_model_len, more=True)
             self.path.append(segment())
             try:
                 if self.path[0] in CONSTRAINT_KEYS:
@@ -193,7 +225,9 @@ class _CountingDecoder(json.JSONDecoder):
 
     def _parse_array(self, s_and_end, scan_once):
         self._enter()
-        limit = ARRAY_LIMITS.get(tuple(self.path))
+        path = tuple(self.path)
+        # One of several prompts: counted against the model (its ids, if any).
+        limit = PROMPT_IDS if path == ("prompt", None) else ARRAY_LIMITS.get(path)
         return JSONArray(s_and_end, self._counted(scan_once, lambda: None, limit))
 
     def _object(self, pairs: list) -> dict:
@@ -204,7 +238,7 @@ class _CountingDecoder(json.JSONDecoder):
         return out
 
 
-def check_counts(data: dict, limits: Limits) -> None:
+def check_counts(data: dict, limits: Limits, max_model_len: int | None = None) -> None:
     """Each count and length of a parsed body against its limit, before any per-item
     work: the types are not checked yet (pydantic does that next), so what is not the
     expected shape is skipped here."""
@@ -217,12 +251,15 @@ def check_counts(data: dict, limits: Limits) -> None:
     elif isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], int):  # one prompt of token ids
             check("max_prompt_token_ids", len(prompt), "prompt")
+            _fits("prompt", len(prompt), max_model_len)
         else:
             check("max_prompts", len(prompt), "prompt")
             check("max_prompt_chars", sum(len(p) for p in prompt if isinstance(p, str)),
                   "prompt")
             check("max_prompt_token_ids",
                   sum(len(p) for p in prompt if isinstance(p, list)), "prompt")
+            _fits("prompt", max((len(p) for p in prompt if isinstance(p, list)), default=0),
+                  max_model_len)
     messages = data.get("messages")
     if isinstance(messages, list):
         check("max_messages", len(messages), "messages")

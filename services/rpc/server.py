@@ -72,6 +72,10 @@ class Lifecycle:
         # run on `parse_pool` (asyncio's default pool when None), never on the event loop.
         self.request_checks: dict[str, Callable[[bytes], None]] = {}
         self.parse_pool: Executor | None = None
+        # (metadata, load, raw) -> load(raw) off the loop, instead of on `parse_pool` at
+        # once: the router's, which bounds the bytes waiting and takes turns by API key.
+        self.parse: Callable[[tuple, Callable[[bytes], object], bytes],
+                             Awaitable[object]] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining);
@@ -178,7 +182,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                                     f"draining: this service takes no new {method} calls")
             state.inflight += work
             try:
-                if offload:
+                if offload and state.parse is not None:
+                    request = await state.parse(context.invocation_metadata(), load, request)
+                elif offload:
                     request = await asyncio.get_running_loop().run_in_executor(
                         state.parse_pool, load, request)
                 if isinstance(request, Undecodable):
@@ -233,12 +239,14 @@ async def run_server(address: str, register: Callable[[grpc.aio.Server], list[st
                      on_stop: Callable[[], Awaitable[None]] | None = None,
                      grace_s: float = DRAIN_GRACE_S, serving_at_start: bool = True,
                      on_start: Callable[[], Awaitable[None]] | None = None,
-                     credentials: grpc.ServerCredentials | None = None) -> None:
+                     credentials: grpc.ServerCredentials | None = None,
+                     max_calls: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain (above). `register` adds the servicers and
     returns their full service names, which health and reflection advertise; `on_start`
-    runs once the server listens."""
+    runs once the server listens; past `max_calls` calls at once (None: no bound), a
+    new one gets RESOURCE_EXHAUSTED."""
     state = lifecycle or Lifecycle()
-    server = make_server(register, state)
+    server = make_server(register, state, max_calls)
     port = (server.add_secure_port(address, credentials) if credentials is not None
             else server.add_insecure_port(address))
     if port == 0:
@@ -259,10 +267,12 @@ async def run_server(address: str, register: Callable[[grpc.aio.Server], list[st
         await on_stop()
 
 
-def make_server(register: Callable[[grpc.aio.Server], list[str]], state: Lifecycle
-                ) -> grpc.aio.Server:
-    """A server with the interceptor, the servicers, health and reflection (no port)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor(state)])
+def make_server(register: Callable[[grpc.aio.Server], list[str]], state: Lifecycle,
+                max_calls: int | None = None) -> grpc.aio.Server:
+    """A server with the interceptor, the servicers, health and reflection (no port),
+    serving at most `max_calls` calls at once (None: no bound)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor(state)],
+                             maximum_concurrent_rpcs=max_calls)
     state.names = register(server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(

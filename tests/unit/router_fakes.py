@@ -21,7 +21,7 @@ import grpc
 from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Router
-from baton.router.server import GENERATION_METHODS, RouterServicer, build
+from baton.router.server import RouterServicer, authorize, build
 from baton.services.common.block_hash import extend_hashes
 from baton.services.common.kv_events import KvEventLog
 from baton.services.rpc.errors import retry_metadata
@@ -337,7 +337,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
 
     registry.on_refresh = refreshed
     security = Security.of(config)  # the API keys, as `run` sets them up
-    lifecycle.authorize = security.grpc_check(GENERATION_METHODS)
+    authorize(lifecycle, router, security)
 
     def register(server):
         gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
