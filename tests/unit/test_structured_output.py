@@ -271,6 +271,10 @@ def test_a_drafted_stop_token_ends_the_drafts_it_can_verify(llm):
     assert state.accept(yes[0]) and not state.terminated  # back at the start
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not strict JSON")
+
+
 def test_logprobs_wider_than_the_constraint_are_finite_and_strict_json(llm):
     """guided_choice ["yes", "no"] with top_logprobs 5: the tokens the constraint masks
     are left out of the top 5 (never -inf), so the gRPC message and both OpenAI shapes
@@ -289,8 +293,8 @@ def test_logprobs_wider_than_the_constraint_are_finite_and_strict_json(llm):
     renderer = Renderer(True, "m", lambda t: llm.engine.tokenizer.decode([t]))
     choice = Choice(0)
     choice.add(reply)
-    body = json.dumps(renderer.whole([choice], 1, 5), allow_nan=False)
-    top = json.loads(body)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    body = json.loads(renderer.whole_json([choice], 1, 5), parse_constant=_not_json)
+    top = body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     assert 1 <= len(top) < 6 and all(math.isfinite(t["logprob"]) for t in top)
     assert "Infinity" not in event(renderer.chunk(0, reply, True, 5, False))
     assert_idle(llm)
