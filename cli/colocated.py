@@ -46,7 +46,8 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
         # engine drains (the router would then refuse what it accepted before SIGTERM).
         stats = WorkerServicer(aengine, worker.engine_id, "colocated", Lifecycle())
         router = build(router_config, lifecycle, [],
-                       [LocalWorkerClient(worker.service.address, decode, stats)])
+                       [LocalWorkerClient(worker.service.address, decode, stats)],
+                       vllm_metrics=False)  # the engine's `vllm:` names: one set a port
 
         def register_more(server: grpc.aio.Server) -> list[str]:
             wk_grpc.add_WorkerServiceServicer_to_server(stats, server)

@@ -41,9 +41,7 @@ from baton.router.lease import PrefillLease
 from baton.router.loras import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry
-from baton.services.common.finish import FinishReason
 from baton.services.rpc import tracing
-from baton.services.rpc.convert import finish_reason_of
 from baton.services.rpc.errors import Overloaded, Unavailable
 from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
@@ -212,8 +210,7 @@ class Router:
         m = self.metrics
         if admission is None:
             admission = self.admit()
-        t0 = last = time.monotonic()
-        outcome, generated = None, 0
+        seen, error = m.request(time.monotonic()), None
         span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
                                   **caller.attributes)
         try:
@@ -223,44 +220,22 @@ class Router:
             span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
             if not m.model:
                 m.model = self.model_info().served_model_name
-            m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
+            seen.prompt(len(job.prompt_ids))
             output = job.output() if job.output is not None else None  # chat.py
             # aclosing: a caller that leaves closes the inner generator now.
             async with aclosing(self._generate(job, caller, ctx, lora)) as replies:
                 async for reply in replies:
                     if output is not None:  # reasoning, content and tool calls
                         output.apply(reply)
-                    now, n = time.monotonic(), len(reply.delta.token_ids)
-                    if n and last == t0:  # the first token
-                        m.labels(m.ttft).observe(now - t0)
-                        m.labels(m.queue).observe(reply.timings.queue_s)
-                        if reply.timings.local_prefill:
-                            m.labels(m.local_prefills).inc()
-                        m.labels(m.expected_cached).inc(reply.timings.expected_cached_blocks)
-                    elif n:
-                        itl, gap = m.labels(m.itl), (now - last) / n
-                        for _ in range(n):
-                            itl.observe(gap)
-                    if n:
-                        last = now
-                        generated += n
-                    if reply.timings.kv_transfer_s:
-                        m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
-                    if reply.delta.finish_reason:
-                        outcome = finish_reason_of(reply.delta.finish_reason)
+                    seen.reply(reply)
                     yield reply
         except Exception as e:
-            outcome = status_of(e)[0].name
+            error = status_of(e)[0].name
             span.set_status(trace.StatusCode.ERROR, str(e))
             raise
         finally:
             admission.release()
-            if isinstance(outcome, FinishReason):
-                m.labels(m.success, finished_reason=outcome).inc()
-                m.labels(m.e2e).observe(time.monotonic() - t0)
-                m.labels(m.generation_tokens).observe(generated)
-            else:  # an error, or the caller left (CANCELLED)
-                m.labels(m.failure, code=outcome or "CANCELLED").inc()
+            seen.end(error)
             span.end()
 
     def cache_salt(self, job: Job, caller: Caller) -> str:
