@@ -210,6 +210,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 if first:
                     reply.cached_tokens = out.num_cached_tokens
                     reply.timings.CopyFrom(timings_message(out))
+                    # It computed the prompt: without a handle, or its pull failed.
+                    reply.timings.local_prefill = local or out.kv_load_error is not None
                     first = False
                     if self.metrics is not None:
                         self.metrics.observe(out)

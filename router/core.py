@@ -5,7 +5,9 @@ the OpenAI-compatible HTTP routes), as it reads:
     validate and tokenize   (intake.py: every field checked, tokenizing off the loop;
                             chat.py: a chat's tools, tool_choice and reasoning)
     local or not            the decode worker that holds (nearly) all of the prompt's
-                            prefix computes it itself: no prefill worker, no KV moved
+                            prefix computes it itself: no prefill worker, no KV moved;
+                            every prompt a decode worker computes is logged and counted
+                            with its reason (fallback.py)
     prefill                 the cheapest prefill worker for the prompt (its cached prefix
                             against its load, policy.py) that answers: the first token
                             and a KV handle; a failed worker's prompt goes to the next
@@ -35,6 +37,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from baton.router.clients import WorkerError
+from baton.router.fallback import LocalPrefills, why_no_prefill
 from baton.router.intake import Intake, Job
 from baton.router.kv_index import PromptBlocks
 from baton.router.lease import PrefillLease
@@ -71,6 +74,7 @@ class Reply:
         self.lora = lora  # the LoRA adapter it runs (loras.py); None: the base model
         self.blocks = PromptBlocks(job.prompt_ids, cache_salt, lora.name if lora else "")
         self.t0 = time.monotonic()
+        self.local_reason: str | None = None  # why a decode worker computes its prompt
         self.streamed: list[int] = []
         self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
         self.timings = gen.Timings()
@@ -153,6 +157,7 @@ class Router:
         self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
         self.inflight = 0
         self.metrics = metrics or RouterMetrics()
+        self.local_prefills = LocalPrefills(self.metrics)
         registry.on_refresh = self._count_workers
 
     def _count_workers(self) -> None:
@@ -252,8 +257,9 @@ class Router:
     async def _generate(self, job: Job, caller: Caller, ctx: Context,
                         lora: wk.LoraAdapter | None = None):
         reply = Reply(job, self.cache_salt(job, caller), lora)
-        local = self.registry.local_prefill(reply.blocks)
+        local, why = self.registry.local_prefill(reply.blocks)
         if local is not None:  # conditional disaggregation: the decode worker prefills
+            self._local(reply, why, f"on {local.address}")
             first, lease = None, PrefillLease(None, job.request_id)
         else:
             first, lease = await self._prefill(reply, caller, ctx)
@@ -275,7 +281,7 @@ class Router:
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
                                  cache_salt=reply.cache_salt, lora=reply.lora)
-        overloaded, m = None, self.metrics
+        overloaded, m, failed = None, self.metrics, []
         for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made
                 continue
@@ -300,6 +306,7 @@ class Router:
                 log.warning("prefill worker %s failed (%s) on %s; trying the next",
                             worker.address, e.code.name, job.request_id)
                 m.labels(m.retries).inc()
+                failed.append(f"{worker.address} {e.code.name}")
                 continue
             except BaseException:  # the client left while it prefilled
                 lease.lost(None)
@@ -310,6 +317,8 @@ class Router:
             return first, lease
         if overloaded is not None:  # back-pressure, not a reason to prefill on decode
             raise overloaded.as_service_error("every prefill worker is full")
+        self._local(reply, *(("prefill_failed", "failed: " + ", ".join(failed)) if failed
+                             else why_no_prefill(self.registry)))
         return None, PrefillLease(None, job.request_id)
 
     async def _decode(self, reply: Reply, lease: PrefillLease, caller: Caller, ctx: Context,
@@ -334,8 +343,8 @@ class Router:
                 raise Unavailable(str(e)) from None
             local = None
             if lease.live and not paired:
-                log.warning("no decode worker can pull from prefill engine %s; %s "
-                            "recomputes the prompt", lease.engine_id, worker.address)
+                self._local(reply, "decode_unpaired", f"no decode worker can pull from "
+                            f"prefill engine {lease.engine_id}: {worker.address} computes it")
                 lease.give_up()
             if not reply.streamed:  # it computes the prompt: what did we expect it holds?
                 reply.timings.local_prefill = True
@@ -344,11 +353,14 @@ class Router:
             worker.index.predict(reply.blocks)
             span, call_ctx = tracing.child("decode", ctx, trace.SpanKind.CLIENT,
                                            **{"baton.worker": worker.address})
+            dreq = reply.decode_request(lease)
             try:
-                async for msg in worker.client.decode(reply.decode_request(lease),
-                                                      timeout=self._left(caller),
+                async for msg in worker.client.decode(dreq, timeout=self._left(caller),
                                                       metadata=tracing.inject(call_ctx)):
                     lease.taken_over()
+                    if msg.timings.local_prefill and dreq.HasField("handle"):
+                        self._local(reply, "kv_pull_failed", f"{worker.address} could not "
+                                    f"pull it from {dreq.handle.engine_id} (its log says why)")
                     yield reply.decoded(msg)
                 return
             except WorkerError as e:
@@ -364,6 +376,13 @@ class Router:
                 exclude.add(worker.address)
             finally:
                 span.end()
+
+    def _local(self, reply: Reply, reason: str, detail: str) -> None:
+        """A decode worker computes the request's prompt: logged and counted, once."""
+        if reply.local_reason is None:
+            reply.local_reason = reason
+            reply.timings.local_prefill = True
+            self.local_prefills.record(reason, reply.job.request_id, detail)
 
     def _left(self, caller: Caller) -> float:
         """Every hop has a deadline: the caller's, or --request-timeout if it set none."""

@@ -63,9 +63,8 @@ class RouterMetrics:
                                   "Streams moved to another decode worker", label,
                                   registry=r)
         self.local_prefills = Counter("baton:local_prefills",
-                                      "Prompts a decode worker computed itself "
-                                      "(conditional disaggregation, or no prefill worker)",
-                                      label, registry=r)
+                                      "Prompts a decode worker computed itself, by reason "
+                                      "(router/fallback.py)", label + ["reason"], registry=r)
         self.expected_cached = Counter("baton:routed_expected_cached_blocks",
                                        "Prompt blocks the router expected the chosen worker "
                                        "to hold (compare the workers' prefix cache hits)",
@@ -134,8 +133,6 @@ class RequestSeen:
         if n and self.last is None:  # the first token
             m.labels(m.ttft).observe(now - self.t0)
             m.labels(m.queue).observe(t.queue_s)
-            if t.local_prefill:
-                m.labels(m.local_prefills).inc()
             m.labels(m.expected_cached).inc(t.expected_cached_blocks)
             m.waiting, m.running = m.waiting - 1, m.running + 1
             m.prompt_total += self.prompt_tokens

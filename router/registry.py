@@ -96,7 +96,10 @@ class Registry:
         self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
-        self._connecting: dict[tuple[str, str], asyncio.Task] = {}  # handshakes under way
+        # Handshakes under way, (decode address, prefill engine id) -> (task, when it
+        # began); and the last failure of each that failed (and may be tried again).
+        self.connecting: dict[tuple[str, str], tuple[asyncio.Task, float]] = {}
+        self.handshake_errors: dict[tuple[str, str], str] = {}
 
     @property
     def workers(self) -> list[Worker]:
@@ -176,11 +179,11 @@ class Registry:
 
     async def handshakes(self, timeout: float) -> None:
         """Wait for the handshakes under way (at most `timeout` seconds)."""
-        if self._connecting:
-            await asyncio.wait(list(self._connecting.values()), timeout=timeout)
+        if self.connecting:
+            await asyncio.wait([t for t, _ in self.connecting.values()], timeout=timeout)
 
     async def close(self) -> None:
-        for task in (self._task, self._discovery, *self._connecting.values()):
+        for task in (self._task, self._discovery, *(t for t, _ in self.connecting.values())):
             if task is not None:
                 task.cancel()
         for w in self.workers + self.retired:
@@ -200,19 +203,24 @@ class Registry:
         that notice a dead or frozen worker."""
         await asyncio.gather(*(self._poll(w) for w in self.workers),
                              *(self._poll_retired(w) for w in self.retired))
+        self._pair()
+        if self.on_refresh is not None:
+            self.on_refresh()
+        await self._tell_readiness()
+
+    def _pair(self) -> None:
+        """Start the handshakes of every up decode worker with every up prefill engine it
+        has not paired with (nor been refused by), unless under way."""
         by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
         for d in self.decode:
             if d.state != "up":
                 continue
             for eid, p in by_id.items():
                 key = (d.address, eid)
-                if eid not in d.pairs and key not in self._connecting:
+                if eid not in d.pairs and key not in self.connecting:
                     task = asyncio.get_running_loop().create_task(self._connect(d, p, eid))
-                    self._connecting[key] = task
-                    task.add_done_callback(lambda _, k=key: self._connecting.pop(k, None))
-        if self.on_refresh is not None:
-            self.on_refresh()
-        await self._tell_readiness()
+                    self.connecting[key] = (task, time.monotonic())
+                    task.add_done_callback(lambda _, k=key: self.connecting.pop(k, None))
 
     async def _tell_readiness(self) -> None:
         ready = self.readiness()
@@ -280,6 +288,7 @@ class Registry:
     async def _connect(self, d: Worker, p: Worker, engine_id: str) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION
         (layouts differ) marks the pair unusable for good; other errors retry next poll."""
+        key = (d.address, engine_id)
         try:
             reply = await d.client.connect(p.address)
         except WorkerError as e:
@@ -287,7 +296,12 @@ class Registry:
                 d.pairs[engine_id] = e.details
                 log.error("decode %s cannot take KV from prefill %s: %s", d.address,
                           p.address, e.details)
+            elif self.handshake_errors.get(key) != str(e):  # each new error once
+                log.warning("decode %s could not pair with prefill %s (%s): %s; again at "
+                            "the next poll", d.address, p.address, engine_id, e)
+            self.handshake_errors[key] = str(e)
             return
+        self.handshake_errors.pop(key, None)
         d.pairs[reply.prefill_engine_id] = None
         await self._tell_readiness()
 
@@ -297,7 +311,7 @@ class Registry:
         still pending, not yet: the first requests would not be disaggregated."""
         decodes = [d for d in self.decode if d.state == "up"]
         if not decodes:
-            return False, "no decode worker is up: " + _states(self.decode)
+            return False, "no decode worker is up: " + states(self.decode)
         prefills = [p for p in self.prefill if p.state == "up"]
         pending = [p for p in prefills if any(p.engine_id not in d.pairs for d in decodes)]
         usable = self.prefills()
@@ -315,14 +329,15 @@ class Registry:
         return sorted((w for w in self.prefill if w.state == "up" and w.engine_id in paired),
                       key=lambda w: self.policy.cost(w, prompt))
 
-    def local_prefill(self, prompt: PromptBlocks) -> Worker | None:
+    def local_prefill(self, prompt: PromptBlocks) -> tuple[Worker | None, str | None]:
         """The decode worker that should compute `prompt` itself (conditional
-        disaggregation), if the cheapest one for it holds enough of it."""
+        disaggregation), if the cheapest one for it holds enough of it, and why."""
         decodes = [d for d in self.decode if d.state == "up"]
         if not decodes or not self.prefills():
-            return None  # without a prefill worker, the decode pick decides anyway
+            return None, None  # without a prefill worker, the decode pick decides anyway
         best = min(decodes, key=lambda w: self.policy.cost(w, prompt))
-        return best if self.policy.local_prefill(best, prompt) else None
+        why = self.policy.local_prefill(best, prompt)
+        return (best if why else None), why
 
     def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset(),
                     prompt: PromptBlocks | None = None, prefer: Worker | None = None
@@ -336,7 +351,7 @@ class Registry:
         if not decodes:
             tried = f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""
             raise LookupError("no decode worker can take the request: "
-                              + _states(self.decode) + tried)
+                              + states(self.decode) + tried)
         paired = [d for d in decodes if engine_id and d.pairs.get(engine_id, "") is None]
         if prefer in decodes and (prefer in paired or not paired):
             d = prefer
@@ -346,5 +361,5 @@ class Registry:
         return d, bool(paired)
 
 
-def _states(workers: list[Worker]) -> str:
+def states(workers: list[Worker]) -> str:
     return ", ".join(f"{w.address} {w.state}" for w in workers) or "none configured"

@@ -76,6 +76,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
     connects: int = 0  # decode: handshakes asked of it
+    pull_fails: bool = False  # decode: says it computed a prompt it was given a handle for
     gate: asyncio.Event | None = None  # decode: each token past `ungated` waits for it
     ungated: int = 0  # decode: tokens of a stream sent before the gate is heeded
     frozen: bool = False  # answers nothing (stats, decode) until thawed
@@ -218,7 +219,11 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                     await asyncio.sleep(self.token_delay_s)
                 last = k == max_tokens - 1
                 ends = last and not self.die_before_finish
-                yield wk.DecodeResponse(delta=_delta(prompt, k, ends))
+                msg = wk.DecodeResponse(delta=_delta(prompt, k, ends))
+                if n == 0:  # the first reply: did it compute the prompt itself?
+                    msg.timings.local_prefill = self.pull_fails or not request.HasField(
+                        "handle")
+                yield msg
                 if last and self.die_before_finish:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
         finally:
