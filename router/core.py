@@ -276,12 +276,14 @@ class Router:
                        ) -> tuple[wk.PrefillResponse | None, PrefillLease]:
         """The first token and the lease, from the cheapest prefill worker that answers.
         Prefill has no side effects, so a failed worker's prompt goes to the next. With
-        none left, (None, an empty lease): the decode worker prefills."""
+        none left, (None, an empty lease): the decode worker prefills. A prefill worker
+        being paired (just started, or restarted) is waited for (registry.pairing)."""
         job, r = reply.job, reply.job.request
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
                                  cache_salt=reply.cache_salt, lora=reply.lora)
         overloaded, m, failed = None, self.metrics, []
+        await self.registry.pairing(self._left(caller))
         for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made
                 continue

@@ -10,7 +10,7 @@ A fall-back no one can see is a slow decode batch no one can explain.
     prefill_down       prefill workers are known, none is up (down, draining,   warning
                        not polled yet)
     prefill_unpaired   one is up, but no decode worker has paired with it: a    warning
-                       handshake under way, or one that failed
+                       handshake that failed, or ran longer than the wait
     prefill_failed     every prefill worker tried failed the prompt             warning
     decode_unpaired    prefilled, but no decode worker that can take it has     warning
                        paired with that prefill engine: the prompt is computed

@@ -13,6 +13,11 @@ A worker's state, from its polls:
 
 Pairs are keyed by the prefill *engine id* (from its stats): a handle names the engine
 that holds its KV, and a restarted worker comes back under a new id, to be paired anew.
+The handshakes start as soon as a poll finds the worker up; until one ends, a request
+that finds no other prefill worker waits for them (`pairing`, at most PAIRING_WAIT_S after
+a handshake began) rather than having its prompt computed on a decode worker. Once the
+router has been ready, pairing never makes it not ready again: its decode workers serve
+meanwhile.
 
 Load score, as vLLM's data-parallel balancer: waiting * 4 + running, from each worker's
 last stats, plus the requests routed to it since (counted as waiting), so a burst between
@@ -44,6 +49,11 @@ from baton.router.policy import Policy
 from baton.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
+
+# How long after a handshake began a request still waits for it: a NIXL handshake ends
+# with a first transfer that sets the connection up (about half a second, more on a
+# loaded host); one that runs longer has the requests after it fall back meanwhile.
+PAIRING_WAIT_S = 3.0
 
 
 @dataclass
@@ -100,6 +110,7 @@ class Registry:
         # began); and the last failure of each that failed (and may be tried again).
         self.connecting: dict[tuple[str, str], tuple[asyncio.Task, float]] = {}
         self.handshake_errors: dict[tuple[str, str], str] = {}
+        self._was_ready = False
 
     @property
     def workers(self) -> list[Worker]:
@@ -222,8 +233,24 @@ class Registry:
                     self.connecting[key] = (task, time.monotonic())
                     task.add_done_callback(lambda _, k=key: self.connecting.pop(k, None))
 
+    async def pairing(self, timeout: float) -> None:
+        """While no prefill worker is usable but handshakes with an up one are under way
+        (it just started, or restarted under a new engine id), wait for them: at most
+        `timeout`, and never past PAIRING_WAIT_S after the latest began."""
+        deadline = time.monotonic() + timeout
+        while not self.prefills():
+            now, up = time.monotonic(), {p.engine_id for p in self.prefill if p.state == "up"}
+            waits = {task: began for (_, eid), (task, began) in self.connecting.items()
+                     if eid in up}
+            until = min(deadline, max(waits.values(), default=now) + PAIRING_WAIT_S)
+            if not waits or until <= now:
+                return
+            await asyncio.wait(list(waits), timeout=until - now,
+                               return_when=asyncio.FIRST_COMPLETED)
+
     async def _tell_readiness(self) -> None:
         ready = self.readiness()
+        self._was_ready |= ready[0]
         if ready != self._ready:
             self._ready = ready
             log.log(logging.INFO if ready[0] else logging.WARNING, "router %s: %s",
@@ -247,9 +274,12 @@ class Registry:
             w.index.reset()  # and its cache with it
             w.kv_events = True  # the new one may answer them
         state = "draining" if stats.draining else "up"
+        came = state != w.state or stats.engine_id != w.engine_id  # up anew, or restarted
         if state != w.state:
             log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
         w.stats, w.state, w.last_seen, w.routed = stats, state, time.monotonic(), 0
+        if came and state == "up":
+            self._pair()  # now: a request may come before this round of polls ends
         if w.kv_events and self.policy.uses_kv:
             await self._kv_events(w)
         if w.role == "prefill":  # forget pairs with engines no prefill worker runs now
@@ -315,10 +345,11 @@ class Registry:
         prefills = [p for p in self.prefill if p.state == "up"]
         pending = [p for p in prefills if any(p.engine_id not in d.pairs for d in decodes)]
         usable = self.prefills()
-        if pending and not usable:
+        if pending and not usable and not self._was_ready:
             return False, "pairing the decode workers with the prefill workers"
         errors = sorted({e for d in decodes for e in d.pairs.values() if e})
         return True, (f"{len(usable)} prefill and {len(decodes)} decode workers usable"
+                      + (f"; pairing with {len(pending)} prefill workers" if pending else "")
                       + (f"; unusable pairs: {'; '.join(errors)}" if errors else ""))
 
     def prefills(self, prompt: PromptBlocks | None = None) -> list[Worker]:

@@ -274,6 +274,28 @@ class Cluster:
     address: str
     router: Router
     rounds: list[int] = field(default_factory=lambda: [0])  # the registry's polls so far
+    servers: list[grpc.aio.Server] = field(default_factory=list)  # as prefill + decode
+
+    async def restart(self, worker: FakeWorker) -> FakeWorker:
+        """Kill `worker` (its server stops), wait until the registry has seen it down,
+        and start a worker of its role on its address under a new engine id, as a
+        restarted process comes back. Returns the new one (in `prefill` or `decode`)."""
+        workers = self.prefill + self.decode
+        i = workers.index(worker)
+        await self.servers[i].stop(0)
+        known = next(w for w in self.registry.workers if w.address == worker.address)
+        deadline = time.monotonic() + 60
+        while known.state != "down":
+            assert time.monotonic() < deadline, "the registry never saw it down"
+            await asyncio.sleep(0.005)
+        new = FakeWorker(worker.role, f"{worker.engine_id}-restarted")
+        host, port = worker.address.rsplit(":", 1)
+        self.servers[i] = await _serve(new, host, int(port))
+        del FAKES[worker.engine_id]
+        FAKES[new.engine_id] = new
+        same = self.prefill if worker.role == "prefill" else self.decode
+        same[same.index(worker)] = new
+        return new
 
     async def polled(self, rounds: int = 2) -> None:
         """Until the registry has polled every worker (stats, then KV events) `rounds`
@@ -343,7 +365,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     try:
         yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
                       workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router,
-                      rounds)
+                      rounds, servers)
     finally:
         for w in workers:
             w.thaw()

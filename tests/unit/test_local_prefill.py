@@ -1,5 +1,8 @@
-"""Every prompt a decode worker computes says why: a log line and
-`baton:local_prefills_total{reason}` (router/fallback.py)."""
+"""A prefill worker killed and restarted on its address (a new engine id) is used again:
+paired in the background as soon as a poll finds it, and a request that comes before the
+handshake ends waits for it instead of having its prompt computed on a decode worker; the
+router stays SERVING meanwhile. Every prompt a decode worker does compute says why: a log
+line and `baton:local_prefills_total{reason}` (router/fallback.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.router import fallback
+from baton.router import fallback, registry
 from baton.router.metrics import RouterMetrics
 from tests.unit.router_fakes import PROMPT, cluster, expected, tokens
 
@@ -34,6 +38,55 @@ def _count(c, reason: str) -> float:
 def _said(caplog, reason: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == fallback.__name__ and f"({reason})" in r.getMessage()]
+
+
+def test_a_restarted_prefill_worker_is_waited_for_while_it_pairs_then_used(tok, monkeypatch):
+    # However slow the machine, the request below comes within the wait.
+    monkeypatch.setattr(registry, "PAIRING_WAIT_S", 60.0)
+
+    async def main():
+        async with cluster(tok) as c:
+            d = c.decode[0]
+            d.connect_hangs = True  # the next handshake holds (a transport's first transfer)
+            p = await c.restart(c.prefill[0])
+            await _until(lambda: d.connects == 2)  # seen back: the handshake began
+            stream = asyncio.create_task(c.generate(PROMPT, 4))
+            await _until(lambda: c.router.inflight == 1)
+            ready, why = c.registry.readiness()
+            assert ready, why  # its decode worker serves meanwhile: no NOT_SERVING flap
+            async with grpc.aio.insecure_channel(c.address) as ch:
+                health = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            d.connect_hangs = False
+            msgs = await stream
+            assert tokens(msgs) == expected(PROMPT, 4)
+            assert not msgs[-1].timings.local_prefill
+            assert p.prefills and d.decodes[-1].handle.engine_id == p.engine_id
+            assert _count(c, "prefill_unpaired") == _count(c, "prefill_down") == 0
+
+    run(main())
+
+
+def test_past_the_wait_a_pending_handshake_is_the_reason_given(tok, monkeypatch, caplog):
+    monkeypatch.setattr(registry, "PAIRING_WAIT_S", 0.0)  # requests never wait
+
+    async def main():
+        async with cluster(tok) as c:
+            d = c.decode[0]
+            d.connect_hangs = True
+            p = await c.restart(c.prefill[0])
+            await _until(lambda: d.connects == 2)
+            msgs = await c.generate(PROMPT, 4)
+            assert tokens(msgs) == expected(PROMPT, 4)
+            assert msgs[-1].timings.local_prefill and not p.prefills
+            assert _count(c, "prefill_unpaired") == 1
+            [line] = _said(caplog, "prefill_unpaired")
+            assert p.engine_id in line and "handshake under way" in line
+            d.connect_hangs = False
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
 
 
 def test_no_prefill_worker_up_and_every_one_failing_are_said(tok, caplog):
