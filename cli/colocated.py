@@ -45,7 +45,8 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
         # (loads of adapters at any version, KV events, Prefill and Decode) are never on
         # the public port, whatever API key a caller holds.
         router = build(router_config, lifecycle, [],
-                       [LocalWorkerClient(worker.service.address, decode, stats)])
+                       [LocalWorkerClient(worker.service.address, decode, stats)],
+                       vllm_metrics=False)  # the engine's `vllm:` names: one set a port
 
         async def stop():
             aengine.stop()

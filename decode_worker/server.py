@@ -88,10 +88,13 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
         self.layout: KVLayout = aengine.engine.kv_layout
         peers.bind(asyncio.get_running_loop())  # built inside the server's loop
 
-    async def _connect(self, address: str, again: bool = False) -> str:
+    async def _connect(self, address: str, again: bool = False, wait: bool = False) -> str:
         """Shake hands with the prefill worker at `address`; its engine id. Known
         already: nothing to do, unless `again` (it may have restarted). A peer whose
-        engine id is unchanged stays as it is: pulls from it go on meanwhile."""
+        engine id is unchanged stays as it is: pulls from it go on meanwhile. `wait`: the
+        caller knows it is up (the router just polled it), so the handshake waits for our
+        channel to reach it (one that saw it die retries every second) instead of failing
+        at once and leaving the pair for the router's next poll."""
         async with self.peers.handshaking(address):
             known = self.peers.by_address.get(address)
             if known is not None and not again:
@@ -101,7 +104,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             try:
                 reply = await stub.Handshake(wk.HandshakeRequest(
                     engine_id=self.engine_id, layout=layout_message(self.layout),
-                    nonce=nonce), timeout=10)
+                    nonce=nonce), timeout=10, wait_for_ready=wait)
                 cluster = self.peers.security.cluster
                 if cluster and not cluster.proven(reply.proof, nonce, reply.engine_id,
                                                   reply.transport, reply.transport_metadata):
@@ -137,7 +140,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
             return reply.engine_id
 
     async def Connect(self, request, context):
-        eid = await self._connect(request.prefill_address, again=True)
+        eid = await self._connect(request.prefill_address, again=True, wait=True)
         return wk.ConnectResponse(prefill_engine_id=eid, transport=self.transport)
 
     async def Decode(self, request, context):
@@ -210,6 +213,8 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 if first:
                     reply.cached_tokens = out.num_cached_tokens
                     reply.timings.CopyFrom(timings_message(out))
+                    # It computed the prompt: without a handle, or its pull failed.
+                    reply.timings.local_prefill = local or out.kv_load_error is not None
                     first = False
                     if self.metrics is not None:
                         self.metrics.observe(out)

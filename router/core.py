@@ -5,7 +5,9 @@ the OpenAI-compatible HTTP routes), as it reads:
     validate and tokenize   (intake.py: every field checked, tokenizing off the loop;
                             chat.py: a chat's tools, tool_choice and reasoning)
     local or not            the decode worker that holds (nearly) all of the prompt's
-                            prefix computes it itself: no prefill worker, no KV moved
+                            prefix computes it itself: no prefill worker, no KV moved;
+                            every prompt a decode worker computes is logged and counted
+                            with its reason (fallback.py)
     prefill                 the cheapest prefill worker for the prompt (its cached prefix
                             against its load, policy.py) that answers: the first token
                             and a KV handle; a failed worker's prompt goes to the next
@@ -35,15 +37,14 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from baton.router.clients import WorkerError
+from baton.router.fallback import LocalPrefills, why_no_prefill
 from baton.router.intake import Intake, Job
 from baton.router.kv_index import PromptBlocks
 from baton.router.lease import PrefillLease
 from baton.router.loras import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry
-from baton.services.common.finish import FinishReason
 from baton.services.rpc import tracing
-from baton.services.rpc.convert import finish_reason_of
 from baton.services.rpc.errors import Overloaded, Unavailable
 from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
@@ -73,6 +74,7 @@ class Reply:
         self.lora = lora  # the LoRA adapter it runs (loras.py); None: the base model
         self.blocks = PromptBlocks(job.prompt_ids, cache_salt, lora.name if lora else "")
         self.t0 = time.monotonic()
+        self.local_reason: str | None = None  # why a decode worker computes its prompt
         self.streamed: list[int] = []
         self.usage = gen.Usage(prompt_tokens=len(job.prompt_ids))
         self.timings = gen.Timings()
@@ -156,6 +158,7 @@ class Router:
         self.max_inflight = max_inflight  # past it, RESOURCE_EXHAUSTED at once
         self.inflight = 0
         self.metrics = metrics or RouterMetrics()
+        self.local_prefills = LocalPrefills(self.metrics)
         registry.on_refresh = self._count_workers
 
     def _count_workers(self) -> None:
@@ -213,8 +216,7 @@ class Router:
         m = self.metrics
         if admission is None:
             admission = self.admit()
-        t0 = last = time.monotonic()
-        outcome, generated = None, 0
+        seen, error = m.request(time.monotonic()), None
         span, ctx = tracing.child("generate", caller.trace_context, trace.SpanKind.SERVER,
                                   **caller.attributes)
         try:
@@ -224,44 +226,22 @@ class Router:
             span.set_attribute("baton.prompt_tokens", len(job.prompt_ids))
             if not m.model:
                 m.model = self.model_info().served_model_name
-            m.labels(m.prompt_tokens).observe(len(job.prompt_ids))
+            seen.prompt(len(job.prompt_ids))
             output = job.output() if job.output is not None else None  # chat.py
             # aclosing: a caller that leaves closes the inner generator now.
             async with aclosing(self._generate(job, caller, ctx, lora)) as replies:
                 async for reply in replies:
                     if output is not None:  # reasoning, content and tool calls
                         output.apply(reply)
-                    now, n = time.monotonic(), len(reply.delta.token_ids)
-                    if n and last == t0:  # the first token
-                        m.labels(m.ttft).observe(now - t0)
-                        m.labels(m.queue).observe(reply.timings.queue_s)
-                        if reply.timings.local_prefill:
-                            m.labels(m.local_prefills).inc()
-                        m.labels(m.expected_cached).inc(reply.timings.expected_cached_blocks)
-                    elif n:
-                        itl, gap = m.labels(m.itl), (now - last) / n
-                        for _ in range(n):
-                            itl.observe(gap)
-                    if n:
-                        last = now
-                        generated += n
-                    if reply.timings.kv_transfer_s:
-                        m.labels(m.transfer).observe(reply.timings.kv_transfer_s)
-                    if reply.delta.finish_reason:
-                        outcome = finish_reason_of(reply.delta.finish_reason)
+                    seen.reply(reply)
                     yield reply
         except Exception as e:
-            outcome = status_of(e)[0].name
+            error = status_of(e)[0].name
             span.set_status(trace.StatusCode.ERROR, str(e))
             raise
         finally:
             admission.release()
-            if isinstance(outcome, FinishReason):
-                m.labels(m.success, finished_reason=outcome).inc()
-                m.labels(m.e2e).observe(time.monotonic() - t0)
-                m.labels(m.generation_tokens).observe(generated)
-            else:  # an error, or the caller left (CANCELLED)
-                m.labels(m.failure, code=outcome or "CANCELLED").inc()
+            seen.end(error)
             span.end()
 
     def cache_salt(self, job: Job, caller: Caller) -> str:
@@ -278,8 +258,9 @@ class Router:
     async def _generate(self, job: Job, caller: Caller, ctx: Context,
                         lora: wk.LoraAdapter | None = None):
         reply = Reply(job, self.cache_salt(job, caller), lora)
-        local = self.registry.local_prefill(reply.blocks)
+        local, why = self.registry.local_prefill(reply.blocks)
         if local is not None:  # conditional disaggregation: the decode worker prefills
+            self._local(reply, why, f"on {local.address}")
             first, lease = None, PrefillLease(None, job.request_id)
         else:
             first, lease = await self._prefill(reply, caller, ctx)
@@ -296,12 +277,14 @@ class Router:
                        ) -> tuple[wk.PrefillResponse | None, PrefillLease]:
         """The first token and the lease, from the cheapest prefill worker that answers.
         Prefill has no side effects, so a failed worker's prompt goes to the next. With
-        none left, (None, an empty lease): the decode worker prefills."""
+        none left, (None, an empty lease): the decode worker prefills. A prefill worker
+        being paired (just started, or restarted) is waited for (registry.pairing)."""
         job, r = reply.job, reply.job.request
         preq = wk.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids,
                                  sampling=r.sampling, priority=r.priority,
                                  cache_salt=reply.cache_salt, lora=reply.lora)
-        overloaded, m = None, self.metrics
+        overloaded, m, failed = None, self.metrics, []
+        await self.registry.pairing(self._left(caller))
         for worker in self.registry.prefills(reply.blocks):
             if worker.state != "up":  # went down (or draining) since the list was made
                 continue
@@ -326,6 +309,7 @@ class Router:
                 log.warning("prefill worker %s failed (%s) on %s; trying the next",
                             worker.address, e.code.name, job.request_id)
                 m.labels(m.retries).inc()
+                failed.append(f"{worker.address} {e.code.name}")
                 continue
             except BaseException:  # the client left while it prefilled
                 lease.lost(None)
@@ -336,6 +320,8 @@ class Router:
             return first, lease
         if overloaded is not None:  # back-pressure, not a reason to prefill on decode
             raise overloaded.as_service_error("every prefill worker is full")
+        self._local(reply, *(("prefill_failed", "failed: " + ", ".join(failed)) if failed
+                             else why_no_prefill(self.registry)))
         return None, PrefillLease(None, job.request_id)
 
     async def _decode(self, reply: Reply, lease: PrefillLease, caller: Caller, ctx: Context,
@@ -360,8 +346,8 @@ class Router:
                 raise Unavailable(str(e)) from None
             local = None
             if lease.live and not paired:
-                log.warning("no decode worker can pull from prefill engine %s; %s "
-                            "recomputes the prompt", lease.engine_id, worker.address)
+                self._local(reply, "decode_unpaired", f"no decode worker can pull from "
+                            f"prefill engine {lease.engine_id}: {worker.address} computes it")
                 lease.give_up()
             if not reply.streamed:  # it computes the prompt: what did we expect it holds?
                 reply.timings.local_prefill = True
@@ -370,11 +356,14 @@ class Router:
             worker.index.predict(reply.blocks)
             span, call_ctx = tracing.child("decode", ctx, trace.SpanKind.CLIENT,
                                            **{"baton.worker": worker.address})
+            dreq = reply.decode_request(lease)
             try:
-                async for msg in worker.client.decode(reply.decode_request(lease),
-                                                      timeout=self._left(caller),
+                async for msg in worker.client.decode(dreq, timeout=self._left(caller),
                                                       metadata=tracing.inject(call_ctx)):
                     lease.taken_over()
+                    if msg.timings.local_prefill and dreq.HasField("handle"):
+                        self._local(reply, "kv_pull_failed", f"{worker.address} could not "
+                                    f"pull it from {dreq.handle.engine_id} (its log says why)")
                     yield reply.decoded(msg)
                 return
             except WorkerError as e:
@@ -390,6 +379,13 @@ class Router:
                 exclude.add(worker.address)
             finally:
                 span.end()
+
+    def _local(self, reply: Reply, reason: str, detail: str) -> None:
+        """A decode worker computes the request's prompt: logged and counted, once."""
+        if reply.local_reason is None:
+            reply.local_reason = reason
+            reply.timings.local_prefill = True
+            self.local_prefills.record(reason, reply.job.request_id, detail)
 
     def _left(self, caller: Caller) -> float:
         """Every hop has a deadline: the caller's, or --request-timeout if it set none."""

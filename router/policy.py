@@ -54,19 +54,19 @@ class Policy:
                                and not _serves(worker, prompt.lora))
         return kv + self.load_weight * load
 
-    def local_prefill(self, worker, prompt: PromptBlocks) -> bool:
-        """Whether decode worker `worker` should compute `prompt` itself. Confirmed
-        blocks only: a prefix merely predicted there may still be on its way (pulled for
-        the request routed just before), and a decode worker must not compute a whole
-        prompt on a guess."""
+    def local_prefill(self, worker, prompt: PromptBlocks) -> str | None:
+        """Why decode worker `worker` should compute `prompt` itself ("short_prompt",
+        "prefix_cached"), or None. Confirmed blocks only: a prefix merely predicted there
+        may still be on its way (pulled for the request routed just before), and a decode
+        worker must not compute a whole prompt on a guess."""
         bs = worker.index.block_size
         held = self.matched(worker, prompt, confirmed=True)
         if self.local_prefill_tokens and \
                 len(prompt.token_ids) - held * bs <= self.local_prefill_tokens:
-            return True
+            return "short_prompt"
         if not self.local_prefill_hit or not bs or not prompt.reusable(bs):
-            return False
-        return held >= self.local_prefill_hit * prompt.reusable(bs)
+            return None
+        return "prefix_cached" if held >= self.local_prefill_hit * prompt.reusable(bs) else None
 
 
 def _serves(worker, lora: str) -> bool:

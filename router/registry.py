@@ -13,6 +13,11 @@ A worker's state, from its polls:
 
 Pairs are keyed by the prefill *engine id* (from its stats): a handle names the engine
 that holds its KV, and a restarted worker comes back under a new id, to be paired anew.
+The handshakes start as soon as a poll finds the worker up; until one ends, a request
+that finds no other prefill worker waits for them (`pairing`, at most PAIRING_WAIT_S after
+a handshake began) rather than having its prompt computed on a decode worker. Once the
+router has been ready, pairing never makes it not ready again: its decode workers serve
+meanwhile.
 
 Load score, as vLLM's data-parallel balancer: waiting * 4 + running, from each worker's
 last stats, plus the requests routed to it since (counted as waiting), so a burst between
@@ -44,6 +49,11 @@ from baton.router.policy import Policy
 from baton.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
+
+# How long after a handshake began a request still waits for it: a NIXL handshake ends
+# with a first transfer that sets the connection up (about half a second, more on a
+# loaded host); one that runs longer has the requests after it fall back meanwhile.
+PAIRING_WAIT_S = 3.0
 
 
 @dataclass
@@ -96,7 +106,11 @@ class Registry:
         self._ready: tuple[bool, str] | None = None
         self._task: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
-        self._connecting: dict[tuple[str, str], asyncio.Task] = {}  # handshakes under way
+        # Handshakes under way, (decode address, prefill engine id) -> (task, when it
+        # began); and the last failure of each that failed (and may be tried again).
+        self.connecting: dict[tuple[str, str], tuple[asyncio.Task, float]] = {}
+        self.handshake_errors: dict[tuple[str, str], str] = {}
+        self._was_ready = False
 
     @property
     def workers(self) -> list[Worker]:
@@ -176,11 +190,11 @@ class Registry:
 
     async def handshakes(self, timeout: float) -> None:
         """Wait for the handshakes under way (at most `timeout` seconds)."""
-        if self._connecting:
-            await asyncio.wait(list(self._connecting.values()), timeout=timeout)
+        if self.connecting:
+            await asyncio.wait([t for t, _ in self.connecting.values()], timeout=timeout)
 
     async def close(self) -> None:
-        for task in (self._task, self._discovery, *self._connecting.values()):
+        for task in (self._task, self._discovery, *(t for t, _ in self.connecting.values())):
             if task is not None:
                 task.cancel()
         for w in self.workers + self.retired:
@@ -200,22 +214,43 @@ class Registry:
         that notice a dead or frozen worker."""
         await asyncio.gather(*(self._poll(w) for w in self.workers),
                              *(self._poll_retired(w) for w in self.retired))
+        self._pair()
+        if self.on_refresh is not None:
+            self.on_refresh()
+        await self._tell_readiness()
+
+    def _pair(self) -> None:
+        """Start the handshakes of every up decode worker with every up prefill engine it
+        has not paired with (nor been refused by), unless under way."""
         by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
         for d in self.decode:
             if d.state != "up":
                 continue
             for eid, p in by_id.items():
                 key = (d.address, eid)
-                if eid not in d.pairs and key not in self._connecting:
+                if eid not in d.pairs and key not in self.connecting:
                     task = asyncio.get_running_loop().create_task(self._connect(d, p, eid))
-                    self._connecting[key] = task
-                    task.add_done_callback(lambda _, k=key: self._connecting.pop(k, None))
-        if self.on_refresh is not None:
-            self.on_refresh()
-        await self._tell_readiness()
+                    self.connecting[key] = (task, time.monotonic())
+                    task.add_done_callback(lambda _, k=key: self.connecting.pop(k, None))
+
+    async def pairing(self, timeout: float) -> None:
+        """While no prefill worker is usable but handshakes with an up one are under way
+        (it just started, or restarted under a new engine id), wait for them: at most
+        `timeout`, and never past PAIRING_WAIT_S after the latest began."""
+        deadline = time.monotonic() + timeout
+        while not self.prefills():
+            now, up = time.monotonic(), {p.engine_id for p in self.prefill if p.state == "up"}
+            waits = {task: began for (_, eid), (task, began) in self.connecting.items()
+                     if eid in up}
+            until = min(deadline, max(waits.values(), default=now) + PAIRING_WAIT_S)
+            if not waits or until <= now:
+                return
+            await asyncio.wait(list(waits), timeout=until - now,
+                               return_when=asyncio.FIRST_COMPLETED)
 
     async def _tell_readiness(self) -> None:
         ready = self.readiness()
+        self._was_ready |= ready[0]
         if ready != self._ready:
             self._ready = ready
             log.log(logging.INFO if ready[0] else logging.WARNING, "router %s: %s",
@@ -239,9 +274,12 @@ class Registry:
             w.index.reset()  # and its cache with it
             w.kv_events = True  # the new one may answer them
         state = "draining" if stats.draining else "up"
+        came = state != w.state or stats.engine_id != w.engine_id  # up anew, or restarted
         if state != w.state:
             log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
         w.stats, w.state, w.last_seen, w.routed = stats, state, time.monotonic(), 0
+        if came and state == "up":
+            self._pair()  # now: a request may come before this round of polls ends
         if w.kv_events and self.policy.uses_kv:
             await self._kv_events(w)
         if w.role == "prefill":  # forget pairs with engines no prefill worker runs now
@@ -280,6 +318,7 @@ class Registry:
     async def _connect(self, d: Worker, p: Worker, engine_id: str) -> None:
         """Ask the decode worker to shake hands with the prefill worker. FAILED_PRECONDITION
         (layouts differ) marks the pair unusable for good; other errors retry next poll."""
+        key = (d.address, engine_id)
         try:
             reply = await d.client.connect(p.address)
         except WorkerError as e:
@@ -287,7 +326,12 @@ class Registry:
                 d.pairs[engine_id] = e.details
                 log.error("decode %s cannot take KV from prefill %s: %s", d.address,
                           p.address, e.details)
+            elif self.handshake_errors.get(key) != str(e):  # each new error once
+                log.warning("decode %s could not pair with prefill %s (%s): %s; again at "
+                            "the next poll", d.address, p.address, engine_id, e)
+            self.handshake_errors[key] = str(e)
             return
+        self.handshake_errors.pop(key, None)
         d.pairs[reply.prefill_engine_id] = None
         await self._tell_readiness()
 
@@ -297,14 +341,15 @@ class Registry:
         still pending, not yet: the first requests would not be disaggregated."""
         decodes = [d for d in self.decode if d.state == "up"]
         if not decodes:
-            return False, "no decode worker is up: " + _states(self.decode)
+            return False, "no decode worker is up: " + states(self.decode)
         prefills = [p for p in self.prefill if p.state == "up"]
         pending = [p for p in prefills if any(p.engine_id not in d.pairs for d in decodes)]
         usable = self.prefills()
-        if pending and not usable:
+        if pending and not usable and not self._was_ready:
             return False, "pairing the decode workers with the prefill workers"
         errors = sorted({e for d in decodes for e in d.pairs.values() if e})
         return True, (f"{len(usable)} prefill and {len(decodes)} decode workers usable"
+                      + (f"; pairing with {len(pending)} prefill workers" if pending else "")
                       + (f"; unusable pairs: {'; '.join(errors)}" if errors else ""))
 
     def prefills(self, prompt: PromptBlocks | None = None) -> list[Worker]:
@@ -315,14 +360,15 @@ class Registry:
         return sorted((w for w in self.prefill if w.state == "up" and w.engine_id in paired),
                       key=lambda w: self.policy.cost(w, prompt))
 
-    def local_prefill(self, prompt: PromptBlocks) -> Worker | None:
+    def local_prefill(self, prompt: PromptBlocks) -> tuple[Worker | None, str | None]:
         """The decode worker that should compute `prompt` itself (conditional
-        disaggregation), if the cheapest one for it holds enough of it."""
+        disaggregation), if the cheapest one for it holds enough of it, and why."""
         decodes = [d for d in self.decode if d.state == "up"]
         if not decodes or not self.prefills():
-            return None  # without a prefill worker, the decode pick decides anyway
+            return None, None  # without a prefill worker, the decode pick decides anyway
         best = min(decodes, key=lambda w: self.policy.cost(w, prompt))
-        return best if self.policy.local_prefill(best, prompt) else None
+        why = self.policy.local_prefill(best, prompt)
+        return (best if why else None), why
 
     def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset(),
                     prompt: PromptBlocks | None = None, prefer: Worker | None = None
@@ -336,7 +382,7 @@ class Registry:
         if not decodes:
             tried = f" (excluded: {', '.join(sorted(exclude))})" if exclude else ""
             raise LookupError("no decode worker can take the request: "
-                              + _states(self.decode) + tried)
+                              + states(self.decode) + tried)
         paired = [d for d in decodes if engine_id and d.pairs.get(engine_id, "") is None]
         if prefer in decodes and (prefer in paired or not paired):
             d = prefer
@@ -346,5 +392,5 @@ class Registry:
         return d, bool(paired)
 
 
-def _states(workers: list[Worker]) -> str:
+def states(workers: list[Worker]) -> str:
     return ", ".join(f"{w.address} {w.state}" for w in workers) or "none configured"

@@ -76,9 +76,11 @@ class RouterServicer(gen_grpc.GenerationServicer):
 
 
 def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode: list = (),
-          targets: dict | None = None, make_client=None) -> Router:
+          targets: dict | None = None, make_client=None, vllm_metrics: bool = True) -> Router:
     """The router over the given worker clients, and those its registry finds at
-    `targets` (clients from `make_client(address)`); the registry tells `lifecycle` when
+    `targets` (clients from `make_client(address)`), exporting vLLM's metric names for
+    the whole request unless `vllm_metrics` is False (colocated: the engine's are the
+    whole request already); the registry tells `lifecycle` when
     it can serve (NOT_SERVING until then), and its interceptor the size limits that
     Generate and Tokenize requests are counted against before protobuf parses them, both
     on the intake's parse threads (the event loop never parses a request)."""
@@ -110,7 +112,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
     lifecycle.parse_pool = intake.parse_pool
     return Router(registry, intake, config.max_inflight, config.request_timeout,
-                  RouterMetrics(config.served_model_name or ""), config.served_model_name,
+                  RouterMetrics(config.served_model_name or "", vllm=vllm_metrics),
+                  config.served_model_name,
                   config.shared_prefix_cache,
                   RouterLoras(config.enable_lora, config.lora_modules,
                               config.allow_runtime_lora_updating, config.lora_root),

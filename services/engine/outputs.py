@@ -38,6 +38,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None  # why an aborted request failed (e.g. its KV transfer)
+    kv_load_error: str | None = None  # decode role: its pull failed; it was recomputed here
     engine_failed: bool = False  # the engine itself failed (the request may go elsewhere)
     # Prefill role: set on the output that hands the request off: the blocks held, and
     # the lease they are held under.

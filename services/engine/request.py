@@ -79,6 +79,7 @@ class Request:
         self.kv_hold = False
         self.lease_id: int | None = None
         self.remote: KVHandle | None = None
+        self.kv_load_error: str | None = None  # why its pull failed, if it was recomputed
         self.error: str | None = None  # why an aborted request failed, if it did
         # Structured output: the matcher of its constraint (services/engine/
         # structured_output.py), in the state the output so far leaves it.

@@ -280,8 +280,9 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
             elif self.load_failure_policy == "recompute":
-                log.warning("KV pull of %s failed (%s); recomputing it locally",
-                            req.request_id, error)
+                log.warning("KV pull of %s from %s failed (%s); recomputing it locally",
+                            req.request_id, req.remote.engine_id, error)
+                req.kv_load_error = error
                 req.remote = None
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING

@@ -1,7 +1,8 @@
 """A worker's metrics under vLLM's own names (`vllm:`), beside Baton's (`baton:`), so that
 dashboards, alerts and the Gateway API Inference Extension's endpoint picker read a Baton
 worker as they read a vLLM server: the same names, the same `model_name` label (the
-served model name) and the same histogram buckets.
+served model name) and the same histogram buckets (defined once, services/rpc/
+vllm_metrics.py, with the router's).
 
 The gauges and token counters are read at scrape time from the engine thread's stats
 snapshot. The request histograms and `vllm:request_success_total` come from each
@@ -15,31 +16,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.services.common.finish import FinishReason
 from baton.services.engine.outputs import EngineStats, RequestOutput
-from baton.services.rpc.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+from baton.services.rpc import vllm_metrics as names
+from baton.services.rpc.vllm_metrics import VllmRequestMetrics
 
 
 def _kv_usage(s: EngineStats) -> float:
     return 1 - s.num_free_blocks / max(1, s.num_blocks)
 
 
-GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
-    "vllm:num_requests_running": ("Requests in the running batch", lambda s: s.num_running),
-    "vllm:num_requests_waiting": ("Requests waiting to be scheduled (and, on a decode "
-                                  "worker, for their KV)",
-                                  lambda s: s.num_waiting + s.num_loading),
-    "vllm:kv_cache_usage_perc": ("KV cache usage (1 = full)", _kv_usage),
+_KV = "KV cache usage (1 = full)"
+GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {  # name: (help, read)
+    names.RUNNING: (names.HELP[names.RUNNING], lambda s: s.num_running),
+    names.WAITING: (names.HELP[names.WAITING], lambda s: s.num_waiting + s.num_loading),
+    "vllm:kv_cache_usage_perc": (_KV, _kv_usage),
     # The name vLLM had before kv_cache_usage_perc; older endpoint pickers read it.
-    "vllm:gpu_cache_usage_perc": ("KV cache usage (1 = full); as vllm:kv_cache_usage_perc",
-                                  _kv_usage),
+    "vllm:gpu_cache_usage_perc": (_KV + "; as vllm:kv_cache_usage_perc", _kv_usage),
 }
 COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
-    "vllm:prompt_tokens": ("Prompt tokens computed", lambda s: s.num_prompt_tokens),
-    "vllm:generation_tokens": ("Tokens sampled", lambda s: s.num_generation_tokens),
+    names.PROMPT_TOKENS: (names.HELP[names.PROMPT_TOKENS], lambda s: s.num_prompt_tokens),
+    names.GENERATION_TOKENS: (names.HELP[names.GENERATION_TOKENS],
+                              lambda s: s.num_generation_tokens),
     "vllm:num_preemptions": ("Requests preempted", lambda s: s.num_preemptions),
     "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
                                   lambda s: s.prefix_cache_queries),
@@ -48,48 +48,21 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
 }
 
 
-class VllmMetrics:
+class VllmMetrics(VllmRequestMetrics):
     """Registers itself (for the snapshot's families) and its histograms in `registry`."""
 
     def __init__(self, registry: CollectorRegistry, stats: Callable[[], EngineStats],
                  model_name: str):
         self._stats, self.model = stats, model_name
         registry.register(self)
-        label, r = ["model_name"], registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Arrival on this worker to its first token", label,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", label,
-                             buckets=ITL_BUCKETS, registry=r)
-        # vLLM's older name of the same figure; dashboards of either read it.
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Time between tokens (as vllm:inter_token_latency_seconds)",
-                              label, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Arrival on this worker to the request's end", label,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Arrival to first scheduled", label, buckets=LATENCY_BUCKETS,
-                               registry=r)
-        self.prefill = Histogram("vllm:request_prefill_time_seconds",
-                                 "First scheduled to first token", label,
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens",
-                                       "Prompt length of finished requests", label,
-                                       buckets=TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram("vllm:request_generation_tokens",
-                                           "Tokens generated by finished requests", label,
-                                           buckets=TOKEN_BUCKETS, registry=r)
-        self.success = Counter("vllm:request_success", "Requests that finished, by reason",
-                               label + ["finished_reason"], registry=r)
+        super().__init__(registry)
 
     def collect(self):
         s = self._stats()
-        for families, cls in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
-            for name, (help_text, read) in families.items():
-                family = cls(name, help_text, labels=["model_name"])
-                family.add_metric([self.model], read(s))
-                yield family
+        for name, (help_text, read) in GAUGES.items():
+            yield names.family(GaugeMetricFamily, name, help_text, self.model, read(s))
+        for name, (help_text, read) in COUNTERS.items():
+            yield names.family(CounterMetricFamily, name, help_text, self.model, read(s))
 
     def describe(self):
         return []  # collected fresh at each scrape
@@ -109,23 +82,11 @@ class _Request:
         m, model = self.m, self.m.model
         now, n = time.monotonic(), len(out.new_token_ids)
         if n and self.last is None:
-            m.ttft.labels(model).observe(now - self.arrival)
-            if out.queue_time is not None:
-                m.queue.labels(model).observe(out.queue_time)
-            if out.prefill_time is not None:
-                m.prefill.labels(model).observe(out.prefill_time)
-        elif n:  # a step may bring several tokens (speculative decoding): spread the gap
-            gap = (now - self.last) / n
-            itl, tpot = m.itl.labels(model), m.tpot.labels(model)
-            for _ in range(n):
-                itl.observe(gap)
-                tpot.observe(gap)
+            m.first_token(model, now - self.arrival, out.queue_time, out.prefill_time)
+        elif n:
+            m.tokens(model, n, now - self.last)
         if n:
             self.last = now
         if out.finished and not out.engine_failed:
-            reason = out.finish_reason
-            reason = FinishReason.STOP if reason == FinishReason.CONSTRAINT else reason
-            m.success.labels(model, str(reason)).inc()
-            m.e2e.labels(model).observe(now - self.arrival)
-            m.prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
-            m.generation_tokens.labels(model).observe(len(out.token_ids))
+            m.finished(model, out.finish_reason, now - self.arrival,
+                       len(out.prompt_token_ids), len(out.token_ids))

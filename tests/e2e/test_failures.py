@@ -65,6 +65,11 @@ def test_injected_transfer_failure_recomputes_the_same_text(cluster, offline):
     msgs = until_served(cluster["recompute"], gen.GenerateRequest(text=PROMPT,
                                                                    sampling=greedy(16)))
     assert joined(msgs) == (ref.token_ids, ref.text)
+    # The decode worker computed the prompt: the client is told, the router counts why.
+    assert msgs[-1].timings.local_prefill
+    http = cluster["topology"].http[cluster["recompute"]]
+    assert metric_value(httpx.get(f"http://{http}/metrics", timeout=10).text,
+                        "baton:local_prefills_total", reason="kv_pull_failed") >= 1
 
 
 def test_injected_transfer_failure_under_fail_policy_is_unavailable(cluster):

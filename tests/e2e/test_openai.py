@@ -159,8 +159,13 @@ def test_models_health_and_metrics_that_move(topology, http, client, model):
     after = httpx.get(http + "/metrics", timeout=10).text
     for name in ("baton:time_to_first_token_seconds_count",
                  "baton:e2e_request_latency_seconds_count",
-                 "baton:request_generation_tokens_count"):
+                 "baton:request_generation_tokens_count",
+                 # vLLM's names at the front door, for the whole disaggregated request
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total",
+                 "vllm:generation_tokens_total"):
         assert metric_value(after, name) > metric_value(before, name), name
+    assert "vllm:num_requests_running{" in after and "vllm:num_requests_waiting{" in after
     for role in ("prefill", "decode"):
         text = httpx.get(f"http://{topology['topology'].metrics[topology[role]]}/metrics",
                          timeout=10).text

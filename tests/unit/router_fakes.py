@@ -83,6 +83,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
     connects: int = 0  # decode: handshakes asked of it
+    pull_fails: bool = False  # decode: says it computed a prompt it was given a handle for
     gate: asyncio.Event | None = None  # decode: each token past `ungated` waits for it
     ungated: int = 0  # decode: tokens of a stream sent before the gate is heeded
     frozen: bool = False  # answers nothing (stats, decode) until thawed
@@ -231,7 +232,11 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
                     await asyncio.sleep(self.token_delay_s)
                 last = k == max_tokens - 1
                 ends = last and not self.die_before_finish
-                yield wk.DecodeResponse(delta=_delta(prompt, k, ends, request.sampling))
+                msg = wk.DecodeResponse(delta=_delta(prompt, k, ends, request.sampling))
+                if n == 0:  # the first reply: did it compute the prompt itself?
+                    msg.timings.local_prefill = self.pull_fails or not request.HasField(
+                        "handle")
+                yield msg
                 if last and self.die_before_finish:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
         finally:
@@ -283,6 +288,28 @@ class Cluster:
     address: str
     router: Router
     rounds: list[int] = field(default_factory=lambda: [0])  # the registry's polls so far
+    servers: list[grpc.aio.Server] = field(default_factory=list)  # as prefill + decode
+
+    async def restart(self, worker: FakeWorker) -> FakeWorker:
+        """Kill `worker` (its server stops), wait until the registry has seen it down,
+        and start a worker of its role on its address under a new engine id, as a
+        restarted process comes back. Returns the new one (in `prefill` or `decode`)."""
+        workers = self.prefill + self.decode
+        i = workers.index(worker)
+        await self.servers[i].stop(0)
+        known = next(w for w in self.registry.workers if w.address == worker.address)
+        deadline = time.monotonic() + 60
+        while known.state != "down":
+            assert time.monotonic() < deadline, "the registry never saw it down"
+            await asyncio.sleep(0.005)
+        new = FakeWorker(worker.role, f"{worker.engine_id}-restarted")
+        host, port = worker.address.rsplit(":", 1)
+        self.servers[i] = await _serve(new, host, int(port))
+        del FAKES[worker.engine_id]
+        FAKES[new.engine_id] = new
+        same = self.prefill if worker.role == "prefill" else self.decode
+        same[same.index(worker)] = new
+        return new
 
     async def polled(self, rounds: int = 2) -> None:
         """Until the registry has polled every worker (stats, then KV events) `rounds`
@@ -352,7 +379,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     try:
         yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
                       workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router,
-                      rounds)
+                      rounds, servers)
     finally:
         for w in workers:
             w.thaw()

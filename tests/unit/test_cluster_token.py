@@ -21,7 +21,7 @@ from baton.prefill_worker.server import PrefillServicer
 from baton.router.clients import GrpcWorkerClient
 from baton.services.rpc.cluster import METADATA_KEY, ClusterToken
 from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.errors import FailedPrecondition
+from baton.services.rpc.errors import FailedPrecondition, Unavailable
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.v1 import worker_pb2 as wk
@@ -37,7 +37,7 @@ def _security(token: str | None = None, **tls) -> Security:
     return Security(ServiceConfig(cluster_token=token, **tls))
 
 
-async def _serve(servicers: dict, check=None, credentials=None):
+async def _serve(servicers: dict, check=None, credentials=None, port: int = 0):
     """A server with `servicers` ({service name: servicer}); `check` as its authorize."""
     state = Lifecycle()
     state.authorize = check
@@ -48,8 +48,8 @@ async def _serve(servicers: dict, check=None, credentials=None):
         return [service_name(wk, name) for name in servicers]
 
     server = make_server(register, state)
-    port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials is not None
-            else server.add_insecure_port("127.0.0.1:0"))
+    port = (server.add_secure_port(f"127.0.0.1:{port}", credentials)
+            if credentials is not None else server.add_insecure_port(f"127.0.0.1:{port}"))
     await server.start()
     await state.set_serving(True)
     return server, f"127.0.0.1:{port}"
@@ -254,6 +254,33 @@ def test_a_known_peer_that_fails_the_proof_on_reconnect_is_forgotten():
             await server.stop(0)
 
     assert asyncio.run(go()) == ({}, set())
+
+
+def test_the_routers_connect_waits_for_a_prefill_worker_back_on_its_address():
+    """Our channel to a prefill worker that died waits between tries to reach it again. The
+    router asks us to pair with its restart as soon as it answers the router: that
+    handshake waits for our channel's next try instead of failing at once (and leaving
+    the pair, and every prompt meanwhile, to the router's next poll)."""
+    async def go():
+        server, address = await _serve({"PrefillService": _prefill(ClusterToken(None))})
+        peers = Peers(_security(None))
+        servicer = DecodeServicer(_aengine(), "decode-1", "fake", peers, Transport())
+        try:
+            assert await servicer._connect(address) == "prefill-1"
+            await server.stop(0)  # killed: our channel now waits between tries
+            with pytest.raises(Unavailable):
+                await servicer._connect(address, again=True)
+            restarted = PrefillServicer(_aengine(), "prefill-2", "fake", b"agent-2", None,
+                                        ClusterToken(None))
+            port = int(address.rsplit(":", 1)[1])
+            server, _ = await _serve({"PrefillService": restarted}, port=port)
+            reply = await servicer.Connect(wk.ConnectRequest(prefill_address=address), None)
+            return reply.prefill_engine_id, dict(peers.by_address)
+        finally:
+            peers.close()
+            await server.stop(0)
+
+    assert asyncio.run(go())[0] == "prefill-2"
 
 
 def test_a_prefill_worker_with_another_token_refuses_us_and_we_say_so():

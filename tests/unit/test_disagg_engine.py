@@ -221,6 +221,8 @@ def test_failed_transfer_follows_the_policy(pair, llm, policy):
     else:
         got = firsts["r0"].new_token_ids + [t for o in outs["r0"] for t in o.new_token_ids]
         assert got == want and last.error is None
+        # Each output says it was computed here, and why (the router counts it).
+        assert all("peer went away" in o.kv_load_error for o in outs["r0"])
 
 
 def test_lease_expires(pair):
