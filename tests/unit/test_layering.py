@@ -1,4 +1,4 @@
-"""The structure, measured from the imports (shared/DESIGN.md): which folder may import
+"""The structure, measured from the imports (docs/architecture.md): which folder may import
 which, everything imported under the one `baton.` namespace, no import cycle, no
 hand-written file over 400 lines, and the parts that must load without torch do."""
 
@@ -238,3 +238,23 @@ def test_pyproject_ships_every_package_under_baton():
     assert set(tool["packages"]) == here
     assert tool["package-dir"] == {"baton": "protos/baton",
                                    **{f"baton.{f}": f for f in FOLDERS}}
+
+
+def _documented_rules() -> dict[str, set[str]]:
+    """docs/architecture.md's table of which folder may import which, as ALLOWED spells it."""
+    rules = {}
+    section = (ROOT / "docs" / "architecture.md").read_text().split(
+        "## Which folder may import which")[1].split("\n## ")[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not cells[0].startswith("`"):
+            continue
+        may = cells[1]
+        rules[cells[0].strip("`")] = (OURS if may == "anything of Baton's" else set()
+                                      if may == "nothing" else
+                                      {m.strip().strip("`") for m in may.split(",")})
+    return rules
+
+
+def test_the_architecture_page_states_the_rules_this_test_enforces():
+    assert _documented_rules() == ALLOWED

@@ -1,5 +1,5 @@
 """What every benchmark prints beside its figures: the CPU, its matmul flags and the
-roofline measured now (shared/BENCHMARKS.md: figures from different CPUs never compare),
+roofline measured now (docs/workloads.md: figures from different CPUs never compare),
 and a workload cut short for quick checks."""
 
 from __future__ import annotations

@@ -6,13 +6,13 @@
 
 Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
 every request producing exactly its output length. HF runs static batches of 16,
-left-padded, as in shared/BENCHMARKS.md. Throughput is output tokens per second of
+left-padded, as in docs/workloads.md. Throughput is output tokens per second of
 generation (model loading excluded). With --json the last line is one JSON object.
 
 The machines are noisy on the scale of tens of seconds, so the two systems run in
 alternating rounds (Baton, HF, Baton, HF, ...) and each keeps its best round.
 Every run prints the CPU's matmul flags and the measured matmul roofline beside its
-figures, as the ratios depend on them (shared/BENCHMARKS.md). --requests N runs only the
+figures, as the ratios depend on them (docs/workloads.md). --requests N runs only the
 workload's first N requests (quick checks; quote figures of the full workload).
 """
 
