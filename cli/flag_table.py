@@ -181,7 +181,7 @@ FLAGS: list[Flag] = [
        "seconds a client may read nothing of its stream (gRPC or SSE) while its buffers "
        "are full; past it the stream is cut and the request aborted, freeing its blocks",
        kind=float),
-    # -- before admission (router and colocated; README "Limits")
+    # -- before admission (router and colocated; docs/configuration.md "Limits")
     _f("max-unparsed-bytes", ROUTERS, "router.max_unparsed_bytes",
        "bytes of requests read but not yet parsed (HTTP bodies, gRPC messages), all "
        "callers together; past it, RESOURCE_EXHAUSTED / 429", kind=int),
@@ -200,7 +200,7 @@ FLAGS: list[Flag] = [
     _f("http-body-timeout", ROUTERS, "router.http_body_timeout",
        "seconds an HTTP request's body may take to arrive once its headers are in; past "
        "it, 408", kind=float),
-    # -- the size of one request (router and colocated; README "Limits")
+    # -- the size of one request (router and colocated; docs/configuration.md "Limits")
     _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
        kind=int),
     _f("max-n", ROUTERS, "limits.max_n", "choices (n) per prompt", kind=int),

@@ -1,7 +1,7 @@
 """The parts of an OpenAI chat body beyond plain messages, as the wire's: tools, tool_choice,
 assistant messages' tool_calls, tool results, reasoning_content and chat_template_kwargs
 (router/chat.py checks them for both APIs). And the one rule for fields Baton does not
-know: a 400 naming the field, never a silent drop, but for the few in ALLOWED (README,
+know: a 400 naming the field, never a silent drop, but for the few in ALLOWED (docs/api.md,
 "Unknown fields"), which change nothing Baton does. A field sent as null is unset, as
 OpenAI reads it."""
 
@@ -38,7 +38,7 @@ def refuse_unknown(extra: dict | None, where: str = "") -> None:
     for name, value in (extra or {}).items():
         if value is not None and name not in known:
             raise InvalidArgument(f"{where}{name}: unknown field; Baton does not serve it "
-                                  "(README, \"Unknown fields\")")
+                                  "(docs/api.md, \"Unknown fields\")")
 
 
 class Function(BaseModel):
@@ -46,7 +46,7 @@ class Function(BaseModel):
     description: str | None = None
     parameters: dict | None = None
     # Taken: a named tool_choice and "required" always enforce the schema; "auto"
-    # does not (README, "Tool calling").
+    # does not (docs/api.md, "Tool calling").
     strict: bool | None = None
 
 

@@ -237,7 +237,7 @@ def test_protobuf_takes_a_group_in_front_of_the_messages_the_walk_does_not():
 def test_fields_without_a_limit_of_their_own_are_bounded_in_all():
     unknown = _varint(1000 << 3) + b"\x01"  # a varint field protobuf keeps as unknown
     check = wire.check_generate(Limits())
-    assert wire.OTHER_FIELDS == 4096  # README's Limits table
+    assert wire.OTHER_FIELDS == 4096  # docs/configuration.md's Limits table
     check(_raw(text="a") + unknown * (wire.OTHER_FIELDS - 1))
     with pytest.raises(InvalidArgument, match="^request: more protobuf fields"):
         check(_raw(text="a") + unknown * wire.OTHER_FIELDS)
@@ -323,7 +323,7 @@ def test_a_schema_with_more_values_than_its_size_bound_stops_the_counting_parse(
 def test_a_body_holds_at_most_its_budget_of_objects_and_arrays(monkeypatch):
     monkeypatch.setattr(body_module, "CHEAP", 0)
     containers, values = body_module.budgets(Limits())
-    assert (containers, values) == (12_544, 1_149_184)  # README's Limits table
+    assert (containers, values) == (12_544, 1_149_184)  # docs/configuration.md's Limits table
 
     def body(n: int) -> bytes:  # the body, "x" and n empty arrays
         return json.dumps({"model": "m", "x": [[]] * n}).encode()

@@ -89,11 +89,10 @@ def test_the_positional_model_and_another_model_flag_are_refused():
     assert parse(["serve", "a/model", "--model", "a/model"])[0].model == "a/model"
 
 
-def test_every_flag_the_readmes_vllm_table_names_is_a_baton_serve_flag(capsys):
-    """The README's "Coming from vLLM" table: each flag in it is one `baton serve` takes
-    (its vLLM column included, but for the vLLM flags it maps to others)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Coming from vLLM", 1)[1].split("\n## ", 1)[0]
+def test_every_flag_the_vllm_page_names_is_a_baton_serve_flag(capsys):
+    """docs/coming-from-vllm.md's table: each flag in it is one `baton serve` takes (its
+    vLLM column included, but for the vLLM flags it maps to others)."""
+    section = (ROOT / "docs" / "coming-from-vllm.md").read_text()
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section))
     not_batons = {"--speculative-config", "--ssl-cert-reqs"}  # said to map elsewhere
     with pytest.raises(SystemExit):
