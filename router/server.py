@@ -12,11 +12,12 @@ import grpc
 from baton.router import wire
 from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
-from baton.router.core import Caller, Router
+from baton.router.core import Router
 from baton.router.intake import Intake
 from baton.router.loras import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry, Worker
+from baton.router.reply import Caller
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import DeadlineExceeded

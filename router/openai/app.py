@@ -26,13 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.router.core import Caller, Router
+from baton.router.core import Router
 from baton.router.openai import errors, extra_routes, lora_routes
 from baton.router.openai.body import HELD, KEY_ID, parse_body, parsed
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, Tally, error_body, event, param_of
 from baton.router.openai.runs import Run
 from baton.router.openai.streams import EventStream
+from baton.router.reply import Caller
 from baton.router.unparsed import ByteBudget, Held
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import InvalidArgument, Overloaded, ServiceError

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
-from baton.router.core import Admission, Caller, Router
+from baton.router.core import Admission, Router
+from baton.router.reply import Caller
 from baton.v1 import generation_pb2 as gen
 
 QUEUED = 64  # replies of a request waiting for its client, over all of its choices

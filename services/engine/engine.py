@@ -11,7 +11,6 @@ allocates, so it comes as a factory).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -20,23 +19,18 @@ from collections.abc import Callable
 from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver
 from baton.services.common.kv_events import KvEventLog
 from baton.services.common.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
-from baton.services.common.model_source import model_commit, model_name, resolve_tokenizer
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.common.tokenizer import (
     apply_chat_template,
-    load_tokenizer,
-    read_chat_template,
 )
 from baton.services.engine.block_pool import BlockPool
+from baton.services.engine.build import load
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.detokenizer import IncrementalDetokenizer
-from baton.services.engine.generation_config import read_generation_config
 from baton.services.engine.grammar_compiler import GrammarCompiler
 from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.loader import load_checkpoint, resolve_model_path
 from baton.services.engine.lora import LoRARequest
 from baton.services.engine.loras import EngineLoras
-from baton.services.engine.model_runner import ModelRunner
 from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from baton.services.engine.request import Request, RequestStatus
 from baton.services.engine.request_output import request_output
@@ -53,48 +47,13 @@ ReceiverFactory = Callable[[KVLayout, list], KVReceiver]
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
         t0 = time.monotonic()
-        path = resolve_model_path(config.model, config.revision)
-        self.model_name = model_name(config.model, path)  # the same on every host
-        self.tokenizer = load_tokenizer(resolve_tokenizer(
-            config.tokenizer, path, config.revision, config.tokenizer_revision))
-        if config.chat_template:
-            self.tokenizer.chat_template = read_chat_template(config.chat_template)
-        model_config, weights = load_checkpoint(path, config.load_format, config.seed)
-        config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
-        self.config = config
-        extra_eos, self.sampling_defaults = read_generation_config(config.generation_config,
-                                                                   path)
-        model_config = dataclasses.replace(model_config, eos_token_ids=tuple(dict.fromkeys(
-            model_config.eos_token_ids + extra_eos)))
-        self.model_config = model_config
-        limit = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        max_len = config.max_model_len or limit
-        t1 = time.monotonic()
-        self.runner = ModelRunner(config, model_config, weights, max_len)
-        log.info("loaded %s (%s, %s) in %.1fs", self.model_name, model_config.architecture,
-                 config.dtype, time.monotonic() - t1)
-        num_blocks = self.runner.profile_num_blocks()
-        # One request must always fit alone, or it could never finish.
-        capacity = (num_blocks - 1) * config.block_size
-        if capacity < 2:
-            raise ValueError(f"the KV budget holds only {num_blocks} blocks; raise kv_cache_gib "
-                             "or gpu_memory_utilization")
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(f"max_model_len {config.max_model_len} does not fit in the KV "
-                             f"cache ({capacity} tokens); raise the KV budget")
-        self.max_model_len = min(max_len, capacity)
-        self.runner.allocate_kv_cache(num_blocks)
-        # Workers pair only over the same weights: a hub model's commit is in its name here.
-        commit = model_commit(path)
-        self.kv_layout = KVLayout(model=self.model_name + (f"@{commit}" if commit else ""),
-                                  dtype=config.dtype,
-                                  block_size=config.block_size,
-                                  num_layers=model_config.num_layers,
-                                  num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim)
+        built = load(config)
+        self.config = config = built.config
+        self.model_name, self.tokenizer = built.model_name, built.tokenizer
+        self.model_config = model_config = built.model_config
+        self.sampling_defaults, self.runner = built.sampling_defaults, built.runner
+        self.max_model_len, self.kv_layout = built.max_model_len, built.kv_layout
+        num_blocks = built.num_blocks
         receiver = kv_receiver(self.kv_layout, self.kv_caches) if kv_receiver else None
         # What the routers poll to learn which prefixes this engine holds (KV events).
         self.kv_events = KvEventLog()

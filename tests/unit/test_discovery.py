@@ -11,9 +11,9 @@ import pytest
 from baton.router import registry as registry_module
 from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
-from baton.router.core import Caller
 from baton.router.discovery import Target, resolve
 from baton.router.registry import Registry
+from baton.router.reply import Caller
 from baton.router.server import build
 from baton.services.rpc.server import Lifecycle
 from tests.dns_server import DnsServer

@@ -18,8 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from baton.router.core import Caller
 from baton.router.openai.protocol import ChatRequest
+from baton.router.reply import Caller
 from baton.v1 import generation_pb2 as gen
 from tests.unit.chat_models import ANSWER, REASONING, Server, qwen3_tokenizer, reasoner
 

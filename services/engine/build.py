@@ -1,0 +1,77 @@
+"""What an engine is built from, before it takes a request: the model's weights and
+tokenizer, its generation defaults, the model runner, and the size of the KV cache (the
+blocks the memory budget holds, and the longest request that fits them alone), with the
+KV layout its transfers are checked against. engine.py drives what this builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from baton.kv_transfer.base import KVLayout
+from baton.services.common import model_source
+from baton.services.common.tokenizer import load_tokenizer, read_chat_template
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.generation_config import read_generation_config
+from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.services.engine.model_config import ModelConfig
+from baton.services.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Built:
+    config: EngineConfig  # its dtype resolved against the checkpoint's
+    model_name: str  # the same on every host
+    tokenizer: object
+    model_config: ModelConfig  # its EOS ids joined with generation_config's
+    sampling_defaults: dict
+    runner: ModelRunner  # its KV cache allocated
+    num_blocks: int
+    max_model_len: int
+    kv_layout: KVLayout
+
+
+def load(config: EngineConfig) -> Built:
+    path = resolve_model_path(config.model, config.revision)
+    name = model_source.model_name(config.model, path)  # the same on every host
+    tokenizer = load_tokenizer(model_source.resolve_tokenizer(
+        config.tokenizer, path, config.revision, config.tokenizer_revision))
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    model_config, weights = load_checkpoint(path, config.load_format, config.seed)
+    config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
+    extra_eos, sampling_defaults = read_generation_config(config.generation_config, path)
+    model_config = dataclasses.replace(model_config, eos_token_ids=tuple(dict.fromkeys(
+        model_config.eos_token_ids + extra_eos)))
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    max_len = config.max_model_len or limit
+    t1 = time.monotonic()
+    runner = ModelRunner(config, model_config, weights, max_len)
+    log.info("loaded %s (%s, %s) in %.1fs", name, model_config.architecture,
+             config.dtype, time.monotonic() - t1)
+    num_blocks = runner.profile_num_blocks()
+    # One request must always fit alone, or it could never finish.
+    capacity = (num_blocks - 1) * config.block_size
+    if capacity < 2:
+        raise ValueError(f"the KV budget holds only {num_blocks} blocks; raise kv_cache_gib "
+                         "or gpu_memory_utilization")
+    if config.max_model_len is not None and config.max_model_len > capacity:
+        raise ValueError(f"max_model_len {config.max_model_len} does not fit in the KV "
+                         f"cache ({capacity} tokens); raise the KV budget")
+    max_model_len = min(max_len, capacity)
+    runner.allocate_kv_cache(num_blocks)
+    # Workers pair only over the same weights: a hub model's commit is in its name here.
+    commit = model_source.model_commit(path)
+    kv_layout = KVLayout(model=name + (f"@{commit}" if commit else ""), dtype=config.dtype,
+                         block_size=config.block_size, num_layers=model_config.num_layers,
+                         num_kv_heads=model_config.num_kv_heads,
+                         head_dim=model_config.head_dim)
+    return Built(config, name, tokenizer, model_config, sampling_defaults, runner,
+                 num_blocks, max_model_len, kv_layout)
