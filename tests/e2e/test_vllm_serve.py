@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -21,6 +22,20 @@ from tests.e2e.topology import ROOT, WORKER_FLAGS, ZYGOTE, free_port
 KEY = "a-key-for-the-vllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LOAD, TOKENS = 4, 8  # concurrent requests, tokens each
+
+
+def _read_stream(client: httpx.Client, body: dict, tail: list,
+                 stop: threading.Event) -> None:
+    """POST `body` as a stream on a client of its own and read it until its end or `stop`
+    (then it closes it); its last lines go in `tail` (how it ended, for a failure's
+    message)."""
+    with httpx.Client(base_url=client.base_url, headers=AUTH, timeout=120) as own, \
+            own.stream("POST", "/v1/completions", json=body) as stream:
+        for line in stream.iter_lines():
+            if line:
+                tail[:] = [*tail[-2:], line]
+            if stop.is_set():
+                break
 
 
 def _start(cmd: list[str], log) -> subprocess.Popen:
@@ -93,17 +108,20 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
     # A stream holds a running request and its KV while it runs. The gauges and the token
     # counter of a scrape come from one snapshot of the engine's stats (taken after each
     # step): one that counts some of the stream's tokens, not all, was taken while it ran.
-    # The tiny model decodes 4,000 tokens in seconds; a loaded machine may scrape only
-    # after the end of one: then another stream.
+    # The stream is read to its end on a thread of its own, so no back-pressure or stall
+    # cut ever touches it. The tiny model decodes 4,000 tokens in seconds; a loaded
+    # machine may scrape only after the end of one: then another stream.
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000,
             "ignore_eos": True, "stream": True}
     deadline, during, tail = time.monotonic() + 60, None, []
     while during is None:
         assert time.monotonic() < deadline, "no scrape came while a stream ran"
         start = figure(scrape(), "vllm:generation_tokens_total")
-        with client.stream("POST", "/v1/completions", json=body) as stream:
-            next(stream.iter_lines())  # its first token has come
-            while time.monotonic() < deadline:
+        stop = threading.Event()
+        reader = threading.Thread(target=_read_stream, args=(client, body, tail, stop))
+        reader.start()
+        try:
+            while time.monotonic() < deadline and reader.is_alive():
                 text = scrape()
                 done = figure(text, "vllm:generation_tokens_total") - start
                 if 0 < done < 4000:
@@ -112,8 +130,9 @@ def _metrics_move_under_load(client: httpx.Client, model: str) -> None:
                 if done >= 4000:  # it ended before this scrape
                     break
                 time.sleep(0.02)  # a snapshot from before its first step: again
-            if during is not None and figure(during, "vllm:num_requests_running") < 1:
-                tail = list(stream.iter_lines())[-3:]  # how it ended, for the message
+        finally:
+            stop.set()
+            reader.join(timeout=120)
     assert figure(during, "vllm:num_requests_running") >= 1, (tail, [
         line for line in during.splitlines() if line.startswith("vllm:num_requests")])
     assert figure(during, "vllm:kv_cache_usage_perc") > 0
