@@ -37,6 +37,17 @@ def _number(message, field: str) -> int:
     return message.DESCRIPTOR.fields_by_name[field].number
 
 
+async def served_as_ever(client: httpx.AsyncClient, c, key: str | None = None) -> None:
+    """A normal request, over both APIs (`client`: HTTP; `c`: the fake cluster's gRPC),
+    answered as ever: what every abuse test checks once its giant requests are done."""
+    reply = await client.post("/v1/completions", json={
+        "model": "fake", "prompt": PROMPT, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "".join(f"<{t}>" for t in expected(PROMPT, 4))
+    msgs = await c.generate(PROMPT, 4, key=key)
+    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+
+
 def _many_messages(message, n: int, role: str = "user") -> bytes:
     """`message`'s type with a chat of `n` empty messages, as wire bytes (built by
     repeating one message's bytes: a million protobuf objects would take seconds)."""
@@ -185,14 +196,7 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
                     await sender.communicate(b"")
                     stop.set()
                     await poller
-                    # Served as ever, by both APIs.
-                    reply = await client.post("/v1/completions", json={
-                        "model": "fake", "prompt": PROMPT, "max_tokens": 4})
-                    want = "".join(f"<{t}>" for t in expected(PROMPT, 4))
-                    assert reply.status_code == 200
-                    assert reply.json()["choices"][0]["text"] == want
-                    msgs = await c.generate(PROMPT, 4)
-                    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+                    await served_as_ever(client, c)
             finally:
                 gc.unfreeze()
                 await http.stop()

@@ -35,7 +35,7 @@ from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
 from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected
-from tests.unit.test_abuse import GENERATE, _poll
+from tests.unit.test_abuse import GENERATE, _poll, served_as_ever
 
 MILLION = 1_000_000
 KEYS = ("key-a", "key-b")
@@ -84,12 +84,7 @@ async def _served(base: str, c, key: str | None = None) -> None:
     """A normal request, over both APIs, answered as ever."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(base_url=base, timeout=HANG_S, headers=headers) as client:
-        reply = await client.post("/v1/completions", json={
-            "model": "fake", "prompt": PROMPT, "max_tokens": 4})
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["text"] == "".join(f"<{t}>" for t in expected(PROMPT, 4))
-    msgs = await c.generate(PROMPT, 4, key=key)
-    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+        await served_as_ever(client, c, key)
 
 
 async def _connect(port: int, first: bytes):

@@ -24,8 +24,8 @@ from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import MAX_LEN, PROMPT, Cluster, cluster, expected
-from tests.unit.test_abuse import _poll
+from tests.unit.router_fakes import MAX_LEN, PROMPT, Cluster, cluster
+from tests.unit.test_abuse import _poll, served_as_ever
 
 STALL_S = 0.5  # --stream-stall-timeout here: each stalled stream is cut this long after
 LONG = 40_000  # tokens: a stream that outlasts every test (x 21 within the answer bound)
@@ -75,13 +75,7 @@ async def _front_door(tok):
                 finally:
                     stop.set()
                     await poller
-                reply = await client.post("/v1/completions", json={
-                    "model": "fake", "prompt": PROMPT, "max_tokens": 4})
-                assert reply.status_code == 200, reply.text
-                assert reply.json()["choices"][0]["text"] == "".join(
-                    f"<{t}>" for t in expected(PROMPT, 4))
-                msgs = await c.generate(PROMPT, 4)
-                assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+                await served_as_ever(client, c)
         finally:
             gc.unfreeze()
             await http.stop()

@@ -21,8 +21,8 @@ from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import PROMPT, cluster, expected
-from tests.unit.test_abuse import GENERATE, _number, _poll, _send_all
+from tests.unit.router_fakes import cluster
+from tests.unit.test_abuse import GENERATE, _number, _poll, _send_all, served_as_ever
 from tests.unit.test_limits import _len_field
 
 IDS = 60_000_000  # one byte each: a 60 MB request
@@ -83,13 +83,7 @@ def test_packed_ids_and_giant_tool_call_ids_are_refused_while_health_answers(tok
                         rounds.append(await _send_all(base, c.address, bodies, requests))
                     stop.set()
                     await poller
-                    reply = await client.post("/v1/completions", json={
-                        "model": "fake", "prompt": PROMPT, "max_tokens": 4})
-                    assert reply.status_code == 200
-                    want = "".join(f"<{t}>" for t in expected(PROMPT, 4))
-                    assert reply.json()["choices"][0]["text"] == want
-                    msgs = await c.generate(PROMPT, 4)
-                    assert [t for m in msgs for t in m.delta.token_ids] == expected(PROMPT, 4)
+                    await served_as_ever(client, c)
             finally:
                 gc.unfreeze()
                 await http.stop()

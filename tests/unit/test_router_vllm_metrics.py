@@ -5,24 +5,13 @@ whole request, from its arrival at the router to its end, beside Baton's (`baton
 from __future__ import annotations
 
 import asyncio
-import time
 
 from baton.router.metrics import RouterMetrics
 from baton.services.engine.outputs import EngineStats
 from baton.services.rpc.metrics import union
 from baton.services.worker.metrics import WorkerMetrics
 from tests.unit.router_fakes import PROMPT, cluster, expected, tokens
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _until(check, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "the condition never held"
-        await asyncio.sleep(0.005)
+from tests.unit.test_local_prefill import _until, run
 
 
 def _reader(c):
