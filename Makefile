@@ -8,7 +8,7 @@ MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
 .PHONY: install model test test-fast test-latest lock lint protos protos-check serve bench \
 	vllm bench-vllm clean
-PROTOS  := protos/baton/v1/generation.proto protos/baton/v1/worker.proto
+PROTOS  := protos/baton/v1/generation.proto protos/baton/worker/v1/worker.proto
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) $(PROTOS)
 

@@ -28,8 +28,8 @@ import grpc
 
 from baton.kv_transfer.base import KVHandle
 from baton.services.rpc.security import Security
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 

@@ -52,8 +52,8 @@ from baton.services.worker.messages import (
 )
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.runtime import make_engine, run_worker
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 

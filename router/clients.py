@@ -21,8 +21,8 @@ from baton.services.common.errors import NotFound
 from baton.services.rpc.errors import BY_CODE, ServiceError, retry_after_s
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import CHANNEL_OPTIONS, status_of
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 # What a worker that failed (died, froze, or whose engine failed) looks like: the request
 # goes to another worker. A deliberate refusal (ABORTED, INVALID_ARGUMENT, ...) does not.

@@ -47,7 +47,7 @@ from baton.services.rpc import tracing
 from baton.services.rpc.errors import Overloaded, Unavailable
 from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Coroutine
 import grpc
 
 from baton.router.clients import WorkerError
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from baton.router.registry import Registry
 from baton.services.common.lora_names import check_name, parse_lora_module, shown
 from baton.services.common.lora_paths import UNREADABLE, Unreadable, beneath
 from baton.services.rpc.errors import FailedPrecondition, Missing
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # a worker's read of one adapter directory

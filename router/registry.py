@@ -46,7 +46,7 @@ from baton.router.config import RouterConfig
 from baton.router.discovery import Target, resolve
 from baton.router.kv_index import PrefixIndex, PromptBlocks
 from baton.router.policy import Policy
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from baton.router.intake import Job
 from baton.router.kv_index import PromptBlocks
 from baton.router.lease import PrefillLease
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 
 @dataclass

@@ -11,7 +11,7 @@ import weakref
 from baton.services.engine.lora import LoRARequest
 from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
 from baton.services.worker.async_engine import AsyncEngine
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 MAX_PATH_CHARS = 4096
 # Per engine: (name, path, version) -> the read in flight (event-loop state).

@@ -8,7 +8,7 @@ from baton.kv_transfer.base import KVLayout
 from baton.services.engine.outputs import ModelInfo, RequestOutput
 from baton.services.rpc.convert import FINISH, logprobs_messages, set_stop_reason
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 
 def layout_message(layout: KVLayout) -> wk.KvLayout:

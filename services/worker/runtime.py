@@ -19,8 +19,8 @@ from baton.services.worker.config import WorkerConfig
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.watchdog import watch
 from baton.services.worker.worker_service import WorkerServicer
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from baton.services.rpc.server import Lifecycle
 from baton.services.worker import lora_calls
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.messages import layout_message, model_info_message
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
 

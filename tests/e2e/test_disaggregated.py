@@ -15,8 +15,8 @@ from baton.services.engine import SamplingParams
 from baton.services.rpc.processes import wait_healthy
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.conftest import both_free_within
 from tests.e2e.helpers import all_free, greedy, joined, run, stats
 from tests.e2e.topology import channel
@@ -181,8 +181,8 @@ def test_health_and_reflection(topology, role):
         [resp] = list(stub.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
         names = {s.name for s in resp.list_services_response.service}
-    expected = {"router": "baton.v1.Generation", "prefill": "baton.v1.PrefillService",
-                "decode": "baton.v1.DecodeService"}[role]
+    expected = {"router": "baton.v1.Generation", "prefill": "baton.worker.v1.PrefillService",
+                "decode": "baton.worker.v1.DecodeService"}[role]
     assert {expected, "grpc.health.v1.Health"} <= names
 
 

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.helpers import (
     all_free_within,
     greedy,

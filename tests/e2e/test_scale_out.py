@@ -16,8 +16,8 @@ import pytest
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.rpc.processes import wait_healthy
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.dns_server import DnsServer
 from tests.e2e.helpers import all_free_within, greedy, joined, metric_value, run, stats
 from tests.e2e.topology import Topology, channel, free_port

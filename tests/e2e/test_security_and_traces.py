@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.certs import CA
 from tests.e2e.helpers import greedy, joined, metric_value
 from tests.e2e.topology import Topology

@@ -29,8 +29,8 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, make_server, method_name, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 VOCAB, MAX_LEN = 49152, 65536
 PROMPT = list(range(100, 140))

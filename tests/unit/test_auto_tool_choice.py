@@ -10,7 +10,7 @@ import json
 import pytest
 
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 from tests.unit.chat_models import QWEN3_VOCAB, Server, qwen3_tokenizer_dir
 from tests.unit.router_fakes import FakeWorker
 from tests.unit.test_tool_calling import PARSERS, TOOLS, joined

@@ -25,7 +25,7 @@ from baton.services.worker.config import WorkerConfig
 from baton.services.worker.runtime import run_worker
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 from tests.e2e.certs import CA
 
 TOKEN = "c" * 32

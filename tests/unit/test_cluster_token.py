@@ -24,8 +24,8 @@ from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import FailedPrecondition, Unavailable
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, make_server, service_name
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.certs import CA
 
 TOKEN, OTHER = "a" * 16 + "-cluster-secret", "b" * 16 + "-another-secret"

@@ -26,7 +26,7 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import status_of
 from baton.services.worker.async_engine import AsyncEngine
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 
 def regex(text: str) -> StructuredOutput:

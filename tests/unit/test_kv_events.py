@@ -13,7 +13,7 @@ from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.block_pool import BlockPool
 from baton.services.engine.kv_cache_manager import KVCacheManager
 from baton.services.engine.request import Request
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 
 def _h(i: int) -> bytes:

@@ -16,7 +16,8 @@ FOLDERS = {"services", "router", "prefill_worker", "decode_worker", "kv_transfer
            "cli", "tools"}
 OURS = FOLDERS | {"protos", "baton", "baton_client"}
 CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
-STUBS = "baton.v1"  # the generated stubs (protos/baton/v1)
+STUBS = "baton.v1"  # the public API's generated stubs (protos/baton/v1)
+INTERNAL = "baton.worker.v1"  # the workers' internal API's (protos/baton/worker/v1)
 # Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine (and
 # the KV transfer contract); services/rpc (the gRPC shell); services/worker; the workers and
 # the router; cli and tools on top.
@@ -26,13 +27,13 @@ ALLOWED = {
     "kernels": set(),
     "protos": {STUBS},  # generated stubs import each other as baton.v1.*
     "kv_transfer": {STUBS},
-    "services": {"kernels", STUBS, "services", *CONTRACT},
+    "services": {"kernels", STUBS, INTERNAL, "services", *CONTRACT},
     "services/common": set(),
     "services/engine": {"kernels", "services.common", *CONTRACT},
     "services/rpc": {STUBS, "services.common", "kv_transfer.base"},
-    "router": {STUBS, "services.common", "services.rpc"},
-    "prefill_worker": {"services", "kv_transfer", "kernels", STUBS},
-    "decode_worker": {"services", "kv_transfer", "kernels", STUBS},
+    "router": {STUBS, INTERNAL, "services.common", "services.rpc"},
+    "prefill_worker": {"services", "kv_transfer", "kernels", STUBS, INTERNAL},
+    "decode_worker": {"services", "kv_transfer", "kernels", STUBS, INTERNAL},
     "cli": OURS,
     "tools": OURS,
     "baton_client": {STUBS},  # the public client: the stubs and nothing else
@@ -200,10 +201,14 @@ def test_the_checks_see_violations(tmp_path):
                                 "from baton.kv_transfer.base import KVHandle\n",
         "kernels/a.py": "import baton.kernels.b\n",
         "kernels/b.py": "import baton.kernels.a\n",
+        "baton_client/c.py": "from baton.v1 import generation_pb2\n"
+                             "from baton.worker.v1 import worker_pb2\n",
     }.items():
         (tmp_path / folder).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / folder).write_text(text)
     assert _violations(tmp_path) == [
+        "baton_client/c.py imports baton.worker.v1",
+        "baton_client/c.py imports baton.worker.v1.worker_pb2",
         "decode_worker/y.py imports baton.prefill_worker.z",
         "router/x.py imports baton.services.engine",
         "router/x.py imports baton.services.engine.LLM",
@@ -231,7 +236,11 @@ def test_pyproject_ships_every_package_under_baton():
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     # A folder is a package (a namespace portion, or regular where it has __init__.py)
     # where it holds Python modules, or folders that do.
-    here = {"baton", "baton.v1", "baton_client"} | {
+    stubs = ROOT / "protos"
+    here = {"baton_client"} | {
+        d.relative_to(stubs).as_posix().replace("/", ".")
+        for d in [stubs / "baton", *(stubs / "baton").rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py"))} | {
         "baton." + d.relative_to(ROOT).as_posix().replace("/", ".")
         for folder in FOLDERS for d in [ROOT / folder, *(ROOT / folder).rglob("*")]
         if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py"))}

@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from baton.services.worker import lora_calls
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 
 
 class FakeLoras:

@@ -24,7 +24,7 @@ from baton.services.engine.lora_slots import LoraSlots
 from baton.services.engine.loras import EngineLoras
 from baton.services.engine.model_config import ModelConfig
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 from tests.unit import router_fakes
 from tests.unit.test_router_loras import FakeClient, _registry
 

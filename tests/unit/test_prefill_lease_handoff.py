@@ -15,8 +15,8 @@ import grpc
 from baton.prefill_worker.server import PrefillServicer
 from baton.services.engine.outputs import RequestOutput
 from baton.services.rpc.server import Lifecycle, make_server, service_name
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.unit.test_cluster_token import LAYOUT
 
 LEASE = 42

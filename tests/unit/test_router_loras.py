@@ -126,7 +126,7 @@ def test_the_router_hashes_an_adapters_blocks_as_the_engine_does():
 def test_a_worker_that_serves_the_adapter_costs_less_than_one_that_must_read_it():
     from baton.router.policy import Policy
     from baton.router.registry import Worker
-    from baton.v1 import worker_pb2 as wk
+    from baton.worker.v1 import worker_pb2 as wk
 
     has, lacks = (Worker(a, "decode", None, state="up",
                          stats=wk.GetStatsResponse(lora_adapters=held))

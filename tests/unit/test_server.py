@@ -29,8 +29,8 @@ from baton.services.rpc.server import (
     method_name,
     service_name,
 )
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 
 class Toy(wk_grpc.PrefillServiceServicer, wk_grpc.WorkerServiceServicer):

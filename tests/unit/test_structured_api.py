@@ -29,7 +29,7 @@ from baton.services.rpc.convert import (
 from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from baton.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2 as wk
 from baton_client import AsyncClient, Client, generate_request
 from baton_client.results import chunk_of, finish_name
 from tests.unit.test_openai_errors import call

@@ -31,8 +31,8 @@ from baton.services.rpc.processes import spawn, stop_all, wait_healthy
 from baton.tools.bench.workloads import make_workload
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
-from baton.v1 import worker_pb2 as wk
-from baton.v1 import worker_pb2_grpc as wk_grpc
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281,
          "http": 50252}

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
+from baton.worker.v1 import worker_pb2 as baton_dot_worker_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in baton/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in baton/worker/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,24 +36,24 @@ class PrefillServiceStub:
             channel: A grpc.Channel.
         """
         self.Prefill = channel.unary_unary(
-                '/baton.v1.PrefillService/Prefill',
-                request_serializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                '/baton.worker.v1.PrefillService/Prefill',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
-                '/baton.v1.PrefillService/ReleaseKv',
-                request_serializer=baton_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+                '/baton.worker.v1.PrefillService/ReleaseKv',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
         self.AbortPrefill = channel.unary_unary(
-                '/baton.v1.PrefillService/AbortPrefill',
-                request_serializer=baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
+                '/baton.worker.v1.PrefillService/AbortPrefill',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
                 _registered_method=True)
         self.Handshake = channel.unary_unary(
-                '/baton.v1.PrefillService/Handshake',
-                request_serializer=baton_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.HandshakeResponse.FromString,
+                '/baton.worker.v1.PrefillService/Handshake',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
 
 
@@ -102,29 +102,29 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
             ),
             'AbortPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortPrefill,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillResponse.SerializeToString,
             ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.HandshakeRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.PrefillService', rpc_method_handlers)
+            'baton.worker.v1.PrefillService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.PrefillService', rpc_method_handlers)
+    server.add_registered_method_handlers('baton.worker.v1.PrefillService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -146,9 +146,9 @@ class PrefillService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.PrefillService/Prefill',
-            baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            '/baton.worker.v1.PrefillService/Prefill',
+            baton_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,9 +173,9 @@ class PrefillService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.PrefillService/ReleaseKv',
-            baton_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+            '/baton.worker.v1.PrefillService/ReleaseKv',
+            baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,9 +200,9 @@ class PrefillService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.PrefillService/AbortPrefill',
-            baton_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
+            '/baton.worker.v1.PrefillService/AbortPrefill',
+            baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.AbortPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,9 +227,9 @@ class PrefillService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.PrefillService/Handshake',
-            baton_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.HandshakeResponse.FromString,
+            '/baton.worker.v1.PrefillService/Handshake',
+            baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,14 +252,14 @@ class DecodeServiceStub:
             channel: A grpc.Channel.
         """
         self.Decode = channel.unary_stream(
-                '/baton.v1.DecodeService/Decode',
-                request_serializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                '/baton.worker.v1.DecodeService/Decode',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Connect = channel.unary_unary(
-                '/baton.v1.DecodeService/Connect',
-                request_serializer=baton_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
+                '/baton.worker.v1.DecodeService/Connect',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
                 _registered_method=True)
 
 
@@ -288,19 +288,19 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Connect': grpc.unary_unary_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.ConnectRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.ConnectResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ConnectRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.DecodeService', rpc_method_handlers)
+            'baton.worker.v1.DecodeService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.DecodeService', rpc_method_handlers)
+    server.add_registered_method_handlers('baton.worker.v1.DecodeService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -322,9 +322,9 @@ class DecodeService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/baton.v1.DecodeService/Decode',
-            baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            '/baton.worker.v1.DecodeService/Decode',
+            baton_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,9 +349,9 @@ class DecodeService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.DecodeService/Connect',
-            baton_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
+            '/baton.worker.v1.DecodeService/Connect',
+            baton_dot_worker_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -375,29 +375,29 @@ class WorkerServiceStub:
             channel: A grpc.Channel.
         """
         self.GetStats = channel.unary_unary(
-                '/baton.v1.WorkerService/GetStats',
-                request_serializer=baton_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
+                '/baton.worker.v1.WorkerService/GetStats',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
         self.ReadKvBlocks = channel.unary_stream(
-                '/baton.v1.WorkerService/ReadKvBlocks',
-                request_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
+                '/baton.worker.v1.WorkerService/ReadKvBlocks',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
                 _registered_method=True)
         self.GetKvEvents = channel.unary_unary(
-                '/baton.v1.WorkerService/GetKvEvents',
-                request_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
+                '/baton.worker.v1.WorkerService/GetKvEvents',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
                 _registered_method=True)
         self.LoadLora = channel.unary_unary(
-                '/baton.v1.WorkerService/LoadLora',
-                request_serializer=baton_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+                '/baton.worker.v1.WorkerService/LoadLora',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
                 _registered_method=True)
         self.UnloadLora = channel.unary_unary(
-                '/baton.v1.WorkerService/UnloadLora',
-                request_serializer=baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
+                '/baton.worker.v1.WorkerService/UnloadLora',
+                request_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
                 _registered_method=True)
 
 
@@ -449,34 +449,34 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.GetStatsResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsResponse.SerializeToString,
             ),
             'ReadKvBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadKvBlocks,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.SerializeToString,
             ),
             'GetKvEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.GetKvEvents,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsResponse.SerializeToString,
             ),
             'LoadLora': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLora,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.LoadLoraResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraResponse.SerializeToString,
             ),
             'UnloadLora': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLora,
-                    request_deserializer=baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.SerializeToString,
+                    request_deserializer=baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.WorkerService', rpc_method_handlers)
+            'baton.worker.v1.WorkerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.WorkerService', rpc_method_handlers)
+    server.add_registered_method_handlers('baton.worker.v1.WorkerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -499,9 +499,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.WorkerService/GetStats',
-            baton_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
+            '/baton.worker.v1.WorkerService/GetStats',
+            baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -526,9 +526,9 @@ class WorkerService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/baton.v1.WorkerService/ReadKvBlocks',
-            baton_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
+            '/baton.worker.v1.WorkerService/ReadKvBlocks',
+            baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.ReadKvBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -553,9 +553,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.WorkerService/GetKvEvents',
-            baton_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
+            '/baton.worker.v1.WorkerService/GetKvEvents',
+            baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.GetKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -580,9 +580,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.WorkerService/LoadLora',
-            baton_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+            '/baton.worker.v1.WorkerService/LoadLora',
+            baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -607,9 +607,9 @@ class WorkerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.WorkerService/UnloadLora',
-            baton_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
-            baton_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
+            '/baton.worker.v1.WorkerService/UnloadLora',
+            baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            baton_dot_worker_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,
