@@ -6,8 +6,8 @@ STAMP   := $(VENV)/.installed
 # The GGUF and the tokenizer saved beside it (the torch-free router reads that).
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
-.PHONY: install model test test-fast test-latest lock lint protos protos-check serve bench \
-	vllm bench-vllm clean
+.PHONY: install model test test-fast test-latest lock lint protos protos-check proto-release \
+	serve bench vllm bench-vllm clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/worker/v1/worker.proto
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) $(PROTOS)
@@ -48,8 +48,7 @@ model: $(MODEL)
 # tests are listed at the end.
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-test: $(STAMP) $(MODEL) protos-check
-	$(BIN)/ruff check .
+test: $(STAMP) $(MODEL) protos-check lint
 	$(PYTEST)
 
 # Everything but the services as processes and the slowest model runs (under 3 minutes).
@@ -86,11 +85,22 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	rm -rf .cache/protos-check && mkdir -p .cache/protos-check
 	$(call PROTOC,.cache/protos-check)
-	diff -r -x '__init__.py' -x '*.proto' -x '__pycache__' .cache/protos-check/baton protos/baton \
+	diff -r -x '__init__.py' -x '*.proto' -x '*.binpb' -x '__pycache__' \
+		.cache/protos-check/baton protos/baton \
 		|| (echo "generated stubs drifted from protos/*.proto: run 'make protos'" && exit 1)
 
+# ruff, and the public API (package baton.v1) against the set released last
+# (protos/baton/v1/released.binpb): a message, field, enum value, service or method removed,
+# renumbered, retyped or reused fails, each named (scripts/proto_compat.py).
+# baton.worker.v1 is internal and not held to it.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/proto_compat.py
+
+# At a release only: baton.v1 as it stands becomes what `make lint` holds later changes
+# to. Commit protos/baton/v1/released.binpb with the release.
+proto-release: $(STAMP)
+	$(BIN)/python scripts/proto_compat.py --release
 
 serve: $(STAMP) $(MODEL)
 	$(BIN)/baton up
