@@ -17,6 +17,7 @@ baton.worker.v1 is internal and may change between releases.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from importlib import resources
@@ -32,17 +33,19 @@ PACKAGE = "baton.v1"
 
 
 def build(files: list[Path]) -> pb.FileDescriptorSet:
-    """The descriptor set protoc builds from `files` (under protos/), imports included."""
-    from grpc_tools import protoc
-
+    """The descriptor set protoc builds from `files` (under protos/), imports included.
+    protoc runs in a process of its own, as `make protos` runs it: its compiler carries its
+    own protobuf library, which can crash a process that has loaded torch and upb."""
     well_known = resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.binpb"
-        rc = protoc.main(["protoc", f"-I{PROTOS}", f"-I{well_known}", "--include_imports",
-                          f"--descriptor_set_out={out}",
-                          *(f.relative_to(PROTOS).as_posix() for f in files)])
-        if rc != 0:
-            raise SystemExit(f"protoc failed ({rc}) building {[str(f) for f in files]}")
+        run = subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}", f"-I{well_known}",
+             "--include_imports", f"--descriptor_set_out={out}",
+             *(f.relative_to(PROTOS).as_posix() for f in files)],
+            capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"protoc failed ({run.returncode}):\n{run.stderr}")
         return pb.FileDescriptorSet.FromString(out.read_bytes())
 
 
