@@ -30,6 +30,7 @@ from baton.kv_transfer.connectors import make_receiver
 from baton.kv_transfer.faults import FailingReceiver
 from baton.kv_transfer.lease_check import LeaseCheckedReceiver
 from baton.services.engine.engine import LLMEngine
+from baton.services.lora.calls import lora_of
 from baton.services.rpc import tracing
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import (
@@ -43,7 +44,6 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
-from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,

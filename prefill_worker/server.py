@@ -17,6 +17,7 @@ import grpc
 from baton.kv_transfer.connectors import make_sender
 from baton.services.common.finish import FinishReason
 from baton.services.engine.engine import LLMEngine
+from baton.services.lora.calls import lora_of
 from baton.services.rpc import tracing
 from baton.services.rpc.cluster import ClusterToken
 from baton.services.rpc.convert import sampling_params
@@ -25,7 +26,6 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
-from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,

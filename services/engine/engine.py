@@ -29,14 +29,14 @@ from baton.services.engine.config import EngineConfig
 from baton.services.engine.detokenizer import IncrementalDetokenizer
 from baton.services.engine.grammar_compiler import GrammarCompiler
 from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.lora import LoRARequest
-from baton.services.engine.loras import EngineLoras
 from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from baton.services.engine.request import Request, RequestStatus
 from baton.services.engine.request_output import request_output
 from baton.services.engine.sampler import bad_words_ids
 from baton.services.engine.scheduler import Scheduler
 from baton.services.engine.spec_decode import NgramProposer
+from baton.services.lora.adapter import LoRARequest
+from baton.services.lora.registry import EngineLoras
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class LLMEngine:
                 log.exception("abort of %s failed", rid)
         self.reset_prefix_cache()
 
-    # ---- LoRA adapters (loras.py) -----------------------------------------------------
+    # ---- LoRA adapters (services/lora/registry.py) ------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
         """Read and check a PEFT directory now; ValueError says why it cannot serve."""

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine import LLMEngine, ReceiverFactory
-from baton.services.engine.lora import LoRARequest
 from baton.services.engine.outputs import RequestOutput
+from baton.services.lora.adapter import LoRARequest
 
 
 class LLM:

@@ -64,9 +64,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] = []
-        # The LoRA adapter it runs, as the engine binds it (loras.py: the adapter's name,
-        # or with new weights under that name, the name and their fingerprint); None: the
-        # base model.
+        # The LoRA adapter it runs, as the engine binds it (services/lora/registry.py: the
+        # adapter's name, or with new weights under that name, the name and their
+        # fingerprint); None: the base model.
         self.lora_name = lora_name or None
         self.lora_blocked_since: float | None = None  # first refused for max_loras (scheduler)
         # Prefix cache: requests with different salts, or different adapters, never share

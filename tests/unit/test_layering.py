@@ -17,9 +17,10 @@ FOLDERS = {"services", "router", "prefill_worker", "decode_worker", "kv_transfer
 OURS = FOLDERS | {"protos", "baton", "baton_client"}
 CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
 STUBS = "baton.v1"  # the generated stubs (protos/baton/v1)
-# Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine (and
-# the KV transfer contract); services/rpc (the gRPC shell); services/worker; the workers and
-# the router; cli and tools on top.
+# Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine and
+# services/lora beside it (and the KV transfer contract); services/rpc (the gRPC shell);
+# services/worker, with services/lora/calls.py; the workers and the router; cli and tools
+# on top.
 # Folder (or sub-package) -> project packages (dotted prefixes, `baton.` left out) it may
 # import, besides itself. The most specific folder applies.
 ALLOWED = {
@@ -28,9 +29,14 @@ ALLOWED = {
     "kv_transfer": {STUBS},
     "services": {"kernels", STUBS, "services", *CONTRACT},
     "services/common": set(),
-    "services/engine": {"kernels", "services.common", *CONTRACT},
+    "services/engine": {"kernels", "services.common", "services.lora", *CONTRACT},
+    # LoRA on the worker's side: the engine's floor (the engine holds its adapters; they
+    # are checked against its ModelConfig), but for the worker's calls.
+    "services/lora": {"kernels", "services.common", "services.engine.model_config"},
+    "services/lora/calls.py": {STUBS, "services.lora", "services.rpc", "services.worker"},
     "services/rpc": {STUBS, "services.common", "kv_transfer.base"},
-    "router": {STUBS, "services.common", "services.rpc"},
+    "router": {STUBS, "services.common", "services.lora.names", "services.lora.paths",
+               "services.rpc"},
     "prefill_worker": {"services", "kv_transfer", "kernels", STUBS},
     "decode_worker": {"services", "kv_transfer", "kernels", STUBS},
     "cli": OURS,
@@ -38,6 +44,8 @@ ALLOWED = {
     "baton_client": {STUBS},  # the public client: the stubs and nothing else
 }
 FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/common": {"torch", "grpc"},
+                         "services/lora/names.py": {"torch", "grpc"},
+                         "services/lora/paths.py": {"torch", "grpc"},
                          "services/rpc": {"torch"}, "kv_transfer/base.py": {"torch"},
                          "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")

@@ -146,7 +146,7 @@ class Attention(nn.Module):
         self.features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                          if v is not None}
         self.packed: dict[str, torch.Tensor | None] = {}
-        self.lora = None  # LoRA's hook (services/engine/lora_slots.py), with adapters on
+        self.lora = None  # LoRA's hook (services/lora/slots.py), with adapters on
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
