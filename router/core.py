@@ -39,7 +39,7 @@ from baton.router.clients import WorkerError
 from baton.router.fallback import LocalPrefills, why_no_prefill
 from baton.router.intake import Intake, Job
 from baton.router.lease import PrefillLease
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry
 from baton.router.reply import Caller, Reply

@@ -14,7 +14,7 @@ from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Router
 from baton.router.intake import Intake
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry, Worker
 from baton.router.reply import Caller

@@ -30,9 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from baton.router.lora.routes import lora_of_model, not_found
 from baton.router.openai.body import read_body
 from baton.router.openai.chat_fields import Tool
-from baton.router.openai.lora_routes import lora_of_model, not_found
 from baton.router.openai.protocol import ChatMessage, chat_of
 from baton.router.openai.render import error_body
 from baton.services.common.limits import ROUTER_ID_CHARS, Limits

@@ -17,7 +17,7 @@ import torch
 
 from baton.router.clients import WorkerError
 from baton.router.config import RouterConfig
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.services.engine.model_config import ModelConfig
 from baton.services.lora.adapter import LoRARequest
 from baton.services.lora.paths import UNREADABLE, Unreadable

@@ -8,7 +8,7 @@
 
 Both POSTs are /v1/ routes, behind the API key like the completions, and served only with
 --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): else any key's
-caller could swap another's adapter. A load reads only beneath --lora-root (router/loras.py).
+caller could swap another's adapter. A load reads only beneath --lora-root (registry.py).
 """
 
 from __future__ import annotations
