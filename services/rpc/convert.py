@@ -100,14 +100,16 @@ def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
 
 
 def structured_message(so: StructuredOutput) -> gen.StructuredOutput:
-    after = {"start_after_token_ids": so.start_after} if so.start_after else {}
+    msg = gen.StructuredOutput(start_after_token_ids=so.start_after)
     if so.kind == "json":
-        return gen.StructuredOutput(json_schema=so.spec, **after)
-    if so.kind == "json_object":
-        return gen.StructuredOutput(json_object=True, **after)
-    if so.kind == "choice":
-        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices), **after)
-    return gen.StructuredOutput(**{so.kind: so.spec}, **after)
+        msg.json_schema = so.spec
+    elif so.kind == "json_object":
+        msg.json_object = True
+    elif so.kind == "choice":
+        msg.choice.choices.extend(so.choices)
+    else:
+        setattr(msg, so.kind, so.spec)  # regex or grammar: the field of that name
+    return msg
 
 
 def logprobs_messages(logprobs: list[dict[int, float]]) -> list[gen.TokenLogprobs]:
