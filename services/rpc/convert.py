@@ -15,15 +15,18 @@ no dict, no second message.
 
 from __future__ import annotations
 
+from typing import cast
+
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.v1 import generation_pb2 as gen
 
 # The one mapping between FinishReason and the wire's enum (FINISH_REASON_<NAME>); None is
 # UNSPECIFIED: the request goes on.
-FINISH = {None: gen.FINISH_REASON_UNSPECIFIED} | {
-    r: gen.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
-FINISH_NAME = {v: k for k, v in FINISH.items()}
+FINISH: dict[FinishReason | None, gen.FinishReason] = {None: gen.FINISH_REASON_UNSPECIFIED} | {
+    r: cast(gen.FinishReason, gen.FinishReason.Value(f"FINISH_REASON_{r.name}"))
+    for r in FinishReason}
+FINISH_NAME: dict[int, FinishReason | None] = {v: k for k, v in FINISH.items()}
 
 
 def finish_reason_of(number: int) -> FinishReason | None:
