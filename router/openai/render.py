@@ -201,8 +201,10 @@ class Renderer:
 
     def logprobs(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
                  want_top: int) -> dict | None:
-        if not entries:
-            return None
+        return self._logprobs(entries, token_ids, want_top) if entries else None
+
+    def _logprobs(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
+                  want_top: int) -> dict:
         rows = []
         for t, lp in zip(token_ids, entries, strict=False):
             by_id = {e.token_id: e.logprob for e in lp.entries}
@@ -251,7 +253,7 @@ class Renderer:
         part written before the next is made)."""
         if not entries:
             return ["null"]
-        parts = (self.logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS], want_top)
+        parts = (self._logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS], want_top)
                  for i in range(0, len(entries), ROWS))
         if self.chat:
             return ['{"content":[', _items(_dumps(p["content"]) for p in parts), "]}"]
@@ -285,7 +287,7 @@ class Renderer:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, choices: list[Choice], n: int) -> dict:
+    def usage_chunk(self, choices: list[Choice] | list[Tally], n: int) -> dict:
         body = self._head(chunk=True)
         body["choices"] = []
         body["usage"] = usage(choices, n)
