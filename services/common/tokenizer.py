@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
