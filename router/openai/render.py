@@ -201,10 +201,8 @@ class Renderer:
 
     def logprobs(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
                  want_top: int) -> dict | None:
-        return self._logprobs(entries, token_ids, want_top) if entries else None
-
-    def _logprobs(self, entries: list[gen.TokenLogprobs], token_ids: list[int],
-                  want_top: int) -> dict:
+        if not entries:
+            return None
         rows = []
         for t, lp in zip(token_ids, entries, strict=False):
             by_id = {e.token_id: e.logprob for e in lp.entries}
@@ -253,8 +251,9 @@ class Renderer:
         part written before the next is made)."""
         if not entries:
             return ["null"]
-        parts = (self._logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS], want_top)
-                 for i in range(0, len(entries), ROWS))
+        parts = (p for i in range(0, len(entries), ROWS)  # (no part is empty: each a dict)
+                 if (p := self.logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS],
+                                        want_top)) is not None)
         if self.chat:
             return ['{"content":[', _items(_dumps(p["content"]) for p in parts), "]}"]
         names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
