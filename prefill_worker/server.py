@@ -125,14 +125,17 @@ def _undelivered(context) -> bool:
 
 
 def serve(config: WorkerConfig) -> None:
+    transport = config.kv_transport
+    if transport is None:  # the CLI sets it (NIXL where it loads, else gRPC)
+        raise ValueError("kv_transport: not set (nixl or grpc)")
     security = Security.of(config)
     engine = make_engine(config.engine, config.threads)
-    sender = make_sender(config.kv_transport, config.engine_id, engine.kv_layout,
+    sender = make_sender(transport, config.engine_id, engine.kv_layout,
                          engine.kv_caches)
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(
-            PrefillServicer(aengine, config.engine_id, config.kv_transport,
+            PrefillServicer(aengine, config.engine_id, transport,
                             sender.metadata(), metrics, security.cluster), server)
 
     run_worker(config, "prefill", engine, "PrefillService", add, closers=[sender.close])

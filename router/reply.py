@@ -83,7 +83,7 @@ class Reply:
                                 prompt_token_ids=self.job.prompt_ids, sampling=r.sampling,
                                 priority=r.priority, cache_salt=self.cache_salt,
                                 lora=self.lora)
-        if lease.live:
+        if lease.handle is not None:  # live
             dreq.first_token_id = self.streamed[0]
             dreq.handle.CopyFrom(lease.handle)
             dreq.prefill_address = lease.worker.address

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Sequence
 from contextlib import aclosing
 
 import grpc
 
 from baton.router import wire
-from baton.router.clients import GrpcWorkerClient
+from baton.router.clients import GrpcWorkerClient, WorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Router
 from baton.router.intake import Intake
@@ -76,7 +77,8 @@ class RouterServicer(gen_grpc.GenerationServicer):
         return gen.UnloadLoraAdapterResponse()
 
 
-def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode: list = (),
+def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerClient] = (),
+          decode: Sequence[WorkerClient] = (),
           targets: dict | None = None, make_client=None, vllm_metrics: bool = True) -> Router:
     """The router over the given worker clients, and those its registry finds at
     `targets` (clients from `make_client(address)`), exporting vLLM's metric names for

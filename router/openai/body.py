@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from json.decoder import JSONArray, JSONObject
-from json.scanner import py_make_scanner
+
+# CPython's own pure-Python JSON parser pieces (what json.loads runs without its C
+# scanner), documented in its source, not in the type stubs.
+from json.decoder import JSONArray, JSONObject  # pyright: ignore[reportAttributeAccessIssue]
+from json.scanner import py_make_scanner  # pyright: ignore[reportAttributeAccessIssue]
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -55,8 +59,11 @@ MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
-def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
-               max_model_len: int | None = None) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes | list[bytes], kind: type[Body], limits: Limits,
+               max_model_len: int | None = None) -> Body:
     """The body (or its chunks) as `kind`, or a ValueError naming the first field over a
     limit (OverLimit) or malformed (InvalidArgument). A prompt of token ids that cannot
     fit `max_model_len` (None: not known yet) is refused as it is counted."""
@@ -72,12 +79,13 @@ def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
         first = e.errors()[0]
         param = ".".join(str(x) for x in first.get("loc", ())) or "body"
         raise InvalidArgument(f"{param}: {first.get('msg')}") from None
-    if hasattr(body, "n"):  # again: pydantic may have read "200" as 200
-        limits.check("max_n", body.n, "n")
+    n = getattr(body, "n", None)
+    if n is not None:  # again: pydantic may have read "200" as 200
+        limits.check("max_n", n, "n")
     return body
 
 
-async def read_body(intake, request, kind: type[BaseModel]) -> BaseModel:
+async def read_body(intake, request, kind: type[Body]) -> Body:
     """A route's body as `kind` (parse_body), its chunks parsed on the intake's parse
     threads in its caller's turn, never on the event loop."""
     chunks = [chunk async for chunk in request.stream() if chunk]
@@ -181,7 +189,7 @@ class _CountingDecoder(json.JSONDecoder):
         is an array with a `limit`, counted against it); `segment()` names the value
         (its key, or None in an array) in `path` while it is parsed."""
         items = 0
-        where = "prompt" if limit == PROMPT_IDS else ".".join(self.path) if limit else ""
+        where = "prompt" if limit == PROMPT_IDS else ".".join(map(str, self.path)) if limit else ""
 
         def scan(string, idx):
             nonlocal items, limit

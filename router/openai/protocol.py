@@ -8,6 +8,7 @@ wire's message)."""
 from __future__ import annotations
 
 import uuid
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -230,11 +231,11 @@ class CompletionRequest(Common):
         if isinstance(p, str):
             prompts = [{"text": p}]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [{"token_ids": gen.TokenIds(ids=p)}]
+            prompts = [{"token_ids": gen.TokenIds(ids=cast(list[int], p))}]
         elif p and all(isinstance(x, str) for x in p):
             prompts = [{"text": x} for x in p]
         elif p and all(isinstance(x, list) for x in p):
-            prompts = [{"token_ids": gen.TokenIds(ids=x)} for x in p]
+            prompts = [{"token_ids": gen.TokenIds(ids=cast(list[int], x))} for x in p]
         else:
             raise InvalidArgument("prompt: empty")
         return self.choices(prompts, self.max_tokens or 16, self.logprobs)

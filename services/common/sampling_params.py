@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton.services.common import constraint_limits
@@ -40,8 +40,9 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
-    choices: tuple[str, ...] = ()
-    start_after: tuple[int, ...] = ()
+    # Any sequence (a wire message's list is taken as it is); a tuple once made.
+    choices: Sequence[str] = ()
+    start_after: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         # Counted before a tuple is built of them (a wire message's lists are taken as

@@ -61,7 +61,7 @@ class ModelRunner:
             self.lora = LoraSlots(model_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or 4 * config.max_loras, self.dtype,
                                   self.device)
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.model.decoder_layers):
                 layer.self_attn.lora = layer.mlp.lora = LayerLora(self.lora, i)
         # This engine's weights on the device (other engines in the process not counted).
         self.weight_bytes = torch.cuda.memory_allocated(self.device) - before if cuda else 0

@@ -15,15 +15,18 @@ no dict, no second message.
 
 from __future__ import annotations
 
+from typing import cast
+
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.v1 import generation_pb2 as gen
 
 # The one mapping between FinishReason and the wire's enum (FINISH_REASON_<NAME>); None is
 # UNSPECIFIED: the request goes on.
-FINISH = {None: gen.FINISH_REASON_UNSPECIFIED} | {
-    r: gen.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
-FINISH_NAME = {v: k for k, v in FINISH.items()}
+FINISH: dict[FinishReason | None, gen.FinishReason] = {None: gen.FINISH_REASON_UNSPECIFIED} | {
+    r: cast(gen.FinishReason, gen.FinishReason.Value(f"FINISH_REASON_{r.name}"))
+    for r in FinishReason}
+FINISH_NAME: dict[int, FinishReason | None] = {v: k for k, v in FINISH.items()}
 
 
 def finish_reason_of(number: int) -> FinishReason | None:
@@ -100,14 +103,16 @@ def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
 
 
 def structured_message(so: StructuredOutput) -> gen.StructuredOutput:
-    after = {"start_after_token_ids": so.start_after} if so.start_after else {}
+    msg = gen.StructuredOutput(start_after_token_ids=so.start_after)
     if so.kind == "json":
-        return gen.StructuredOutput(json_schema=so.spec, **after)
-    if so.kind == "json_object":
-        return gen.StructuredOutput(json_object=True, **after)
-    if so.kind == "choice":
-        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices), **after)
-    return gen.StructuredOutput(**{so.kind: so.spec}, **after)
+        msg.json_schema = so.spec
+    elif so.kind == "json_object":
+        msg.json_object = True
+    elif so.kind == "choice":
+        msg.choice.choices.extend(so.choices)
+    else:
+        setattr(msg, so.kind, so.spec)  # regex or grammar: the field of that name
+    return msg
 
 
 def logprobs_messages(logprobs: list[dict[int, float]]) -> list[gen.TokenLogprobs]:
