@@ -16,6 +16,7 @@ add to its constraint (chat.py), which also makes each choice's output parser.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from baton.router.chat import Chat, ChatSettings, check_chat, plan
 from baton.router.chat_output import ChatOutput
 from baton.router.unparsed import ByteBudget, ParseTurns
-from baton.services.common.limits import Limits
+from baton.services.common.limits import TABLE, Limits, count
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
@@ -63,13 +64,11 @@ class Intake:
 
     async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
         """Validate `request` against the model (`info`, when a worker has said it)."""
-        check = self.limits.check
-        check("max_request_id_chars", len(request.request_id), "request_id")
-        check("max_cache_salt_chars", len(request.cache_salt), "cache_salt")
+        for row in TABLE:  # every bounded field of the request, at its wire path
+            if row.wire is not None:
+                value = functools.reduce(getattr, row.wire.split("."), request)
+                self.limits.check(row.name, count(row, value), row.wire)
         s = request.sampling
-        check("max_stop", len(s.stop), "sampling.stop")
-        check("max_stop_chars", max(map(len, s.stop), default=0), "sampling.stop")
-        check("max_stop_token_ids", len(s.stop_token_ids), "sampling.stop_token_ids")
         try:  # the engine's own rules, before any worker sees the request
             sampling_params(s)
         except (ValueError, TypeError) as e:
