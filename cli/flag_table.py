@@ -66,9 +66,11 @@ FLAGS: list[Flag] = [
        "text in a chat's messages, tools and template variables that spells a special "
        "token (<|im_end|>, ...) becomes that control token, as in vLLM (default: plain "
        "text, so no message can forge a turn)", kind=bool),
-    _f("generation-config", WORKERS, "engine.generation_config",
+    _f("generation-config", ROLES,
+       (("engine", "generation_config"), ("router", "generation_config")),
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
-       "sampling values; none: ignore it; or a folder holding one"),
+       "sampling values (the router checks requests with the same defaults: give it the "
+       "workers' value); none: ignore it; or a folder holding one"),
     _f("dtype", WORKERS, "engine.dtype",
        "weights, activations and KV cache; auto: the checkpoint's, in bf16 on CPU and for "
        "fp32 checkpoints", choices=DTYPES),

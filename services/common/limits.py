@@ -91,7 +91,8 @@ TABLE = (
     # rendered on the router (router/openai/protocol.py).
     Bound("max_answer_tokens", "tokens and logprobs",
           "tokens and logprobs one OpenAI request's answer may hold: n x max_tokens x (1 + "
-          "top_logprobs) over its prompts (max_tokens unset: max_model_len)",
+          "top_logprobs) over its prompts (max_tokens unset in a chat: the model's "
+          "max_new_tokens, else max_model_len)",
           default=1024 * 1024),
     # The engine's alone (OpenAI's own bound on logit_bias).
     Bound("logit_bias", "entries", wire="sampling.logit_bias", body="logit_bias",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -208,3 +209,9 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# The value of each field a request leaves unset (and the model's generation_config.json
+# does not set), spelled once: on SamplingParams' fields above. The proto's comments say
+# them in prose (a test compares); vLLM's completions default max_tokens is the same 16.
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
