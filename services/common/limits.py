@@ -156,12 +156,13 @@ def _check(self, name: str, got: int, where: str, more: bool = False) -> None:
         check_bound(where, got, self.bound(name), b.unit, more, flag=b.flag)
 
 
-# The router's bounds on one request (gRPC Generate and Tokenize, and each OpenAI body):
-# a field per row of TABLE with a default. Counts are checked before anything is built
-# per item.
 Limits = dataclasses.make_dataclass(
     "Limits", [(b.name, int, field(default=b.default)) for b in TABLE if b.default is not None],
-    frozen=True, namespace={"__post_init__": _post_init, "bound": _bound, "check": _check})
+    frozen=True, namespace={
+        "__doc__": "The router's bounds on one request (gRPC Generate and Tokenize, and "
+                   "each OpenAI body): a field per row of TABLE with a default. Counts are "
+                   "checked before anything is built per item.",
+        "__post_init__": _post_init, "bound": _bound, "check": _check})
 Limits.__module__ = __name__
 
 
