@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from contextlib import aclosing
+from pathlib import Path
 
 import grpc
 
@@ -100,9 +101,12 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     model = config.model or default_model_path()
     source = resolve_tokenizer(config.tokenizer, model, config.revision,
                                config.tokenizer_revision)
-    # The model's folder (its tokenizer's, unless --tokenizer names another), where the
-    # workers read their defaults of unset sampling values.
-    folder = resolve_tokenizer(None, model, config.revision)
+    # The model's folder, where the workers read its defaults of unset sampling values:
+    # the tokenizer's, unless --tokenizer names another.
+    folder = source
+    if config.tokenizer is not None and config.generation_config == "auto":
+        folder = (Path(model) if Path(model).exists()
+                  else resolve_tokenizer(None, model, config.revision))
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
                     chat=config.chat_settings(), parses_per_key=config.max_parses_per_key,

@@ -145,3 +145,22 @@ def test_a_chat_without_max_tokens_takes_the_models_max_new_tokens(tmp_path, tok
                 assert await chat(max_tokens=3) == 3
 
     asyncio.run(main())
+
+
+def test_the_router_reads_the_models_own_folder_as_the_workers_do(tmp_path, tiny_model):
+    """`--generation-config auto`: the file in the model's folder, also when --tokenizer
+    names another folder."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    _folder(folder, MODEL)
+    want = read_generation_config("auto", folder)[1]
+    for config in (RouterConfig(model=str(folder)),
+                   RouterConfig(model=str(folder), tokenizer=str(tiny_model))):
+        router = build(config, Lifecycle())
+        router.intake.close()
+        assert router.intake.sampling_defaults == want and want
+    none = build(RouterConfig(model=str(folder), generation_config="none"), Lifecycle())
+    none.intake.close()
+    assert none.intake.sampling_defaults == {}
