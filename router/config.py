@@ -31,6 +31,9 @@ class RouterConfig:
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    # The defaults of unset sampling values, as the workers take them (the router checks
+    # a request as they will run it): "auto" (the model's), "none", or a folder.
+    generation_config: str = "auto"
     # A chat message's text that spells a special token is that control token (vLLM's
     # way); False: plain text (services/common/plain_content.py).
     allow_special_tokens_in_content: bool = False

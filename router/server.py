@@ -7,6 +7,7 @@ import asyncio
 import gc
 from collections.abc import Sequence
 from contextlib import aclosing
+from pathlib import Path
 
 import grpc
 
@@ -88,6 +89,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
     Generate and Tokenize requests are counted against before protobuf parses them, both
     on the intake's parse threads (the event loop never parses a request)."""
     from baton.services.common.default_model import default_model_path
+    from baton.services.common.generation_config import read_generation_config
     from baton.services.common.model_source import resolve_tokenizer
 
     registry = Registry([Worker(c.address, "prefill", c) for c in prefill],
@@ -98,12 +100,21 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
                         make_client=make_client,
                         discovery_interval=config.discovery_interval,
                         discovery_grace=config.discovery_grace)
-    source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
-                               config.revision, config.tokenizer_revision)
+    model = config.model or default_model_path()
+    source = resolve_tokenizer(config.tokenizer, model, config.revision,
+                               config.tokenizer_revision)
+    # The model's folder, where the workers read its defaults of unset sampling values:
+    # the tokenizer's, unless --tokenizer names another.
+    folder = source
+    if config.tokenizer is not None and config.generation_config == "auto":
+        folder = (Path(model) if Path(model).exists()
+                  else resolve_tokenizer(None, model, config.revision))
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
                     chat=config.chat_settings(), parses_per_key=config.max_parses_per_key,
-                    unparsed_bytes=config.max_unparsed_bytes)
+                    unparsed_bytes=config.max_unparsed_bytes,
+                    sampling_defaults=read_generation_config(config.generation_config,
+                                                             folder)[1])
 
     def max_model_len() -> int | None:  # once a worker has said it
         info = registry.model_info()

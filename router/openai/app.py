@@ -220,7 +220,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             if count > router.max_inflight:
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
-            requests = await intake.parse(body.requests, info.max_model_len, key=key)
+            requests = await intake.parse(body.requests, info.max_model_len,
+                                          intake.sampling_defaults, key=key)
             body.check_answer(requests, intake.limits)  # what rendering it may cost
             for r in requests:
                 r.lora = lora

@@ -28,30 +28,21 @@ from pydantic import BaseModel, ValidationError
 
 from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
-from baton.services.common.limits import (
-    BAD_WORD_CHARS_CEILING,
-    BAD_WORDS_CEILING,
-    LOGIT_BIAS_CEILING,
-    Limits,
-    OverLimit,
-    check_bound,
-)
+from baton.services.common.limits import ITEMS, TABLE, Limits, OverLimit, check_bound, count
 from baton.services.rpc.errors import InvalidArgument
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
 CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
-BAD_WORDS = "bad_words"  # the engine's fixed bound on bad_words (BAD_WORDS_CEILING)
 # In the ASGI scope (the app's Guard puts them there): the caller's API key as
 # security.key_id, and the body's bytes held against the unparsed budget (unparsed.py).
 KEY_ID, HELD = "baton.key_id", "baton.held"
 PROMPT_IDS = "prompt ids"  # one of several prompts of token ids: max_model_len alone
 # The arrays a body may hold that have a limit, by the keys down to them, and what each
-# counts against: a Limits field, CHOICES or BAD_WORDS.
-ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
-                ("stop_token_ids",): "max_stop_token_ids", ("prompt",): "max_prompts",
+# counts against: a row of the limits' TABLE, or CHOICES.
+ARRAY_LIMITS = {("messages",): "max_messages", ("prompt",): "max_prompts",
                 ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES,
-                ("bad_words",): BAD_WORDS}
+                **{(row.body,): row.name for row in TABLE if row.body and row.count == ITEMS}}
 # A chat message's strings, besides its content and tool calls, that a template renders.
 MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 # The members that hold a structured-output constraint: a constraint's text is bounded
@@ -145,13 +136,11 @@ def _fits(where: str, ids: int, max_model_len: int | None, more: bool = False) -
 
 
 def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
-    """`limits.check`, or the engine's fixed bound on choices or bad_words."""
+    """`limits.check`, or the engine's fixed bound on choices."""
     if limit == CHOICES:
         check_bound(where, got, constraint_limits.MAX_CHOICES, "choices", more)
     elif limit == PROMPT_IDS:
         pass  # in all, they count against max_prompt_token_ids once parsed
-    elif limit == BAD_WORDS:
-        check_bound(where, got, BAD_WORDS_CEILING, "words", more)
     else:
         limits.check(limit, got, where, more)
 
@@ -272,23 +261,10 @@ def check_counts(data: dict, limits: Limits, max_model_len: int | None = None) -
     if isinstance(messages, list):
         check("max_messages", len(messages), "messages")
         check("max_prompt_chars", sum(map(_content_chars, messages)), "messages")
-    stop = data.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if isinstance(stop, list):
-        check("max_stop", len(stop), "stop")
-        check("max_stop_chars", max((len(s) for s in stop if isinstance(s, str)), default=0),
-              "stop")
-    if isinstance(data.get("logit_bias"), dict):
-        check_bound("logit_bias", len(data["logit_bias"]), LOGIT_BIAS_CEILING, "entries")
-    words = data.get("bad_words")
-    if isinstance(words, list):
-        _check(limits, BAD_WORDS, len(words), "bad_words")
-        check_bound("bad_words", max((len(w) for w in words if isinstance(w, str)),
-                                     default=0), BAD_WORD_CHARS_CEILING, "characters a word")
-    for name, limit in (("stop_token_ids", "max_stop_token_ids"),
-                        ("cache_salt", "max_cache_salt_chars"), ("user", "max_user_chars")):
-        if isinstance(data.get(name), (list, str)):
-            check(limit, len(data[name]), name)
+    for row in TABLE:  # every bounded key of a body
+        value = data.get(row.body) if row.body else None
+        if isinstance(value, (list, str, dict)):
+            check(row.name, count(row, value), row.body)
     outputs = data.get("structured_outputs")
     for where, choices in (("guided_choice", data.get("guided_choice")),
                            ("structured_outputs.choice",

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver
 from baton.services.common.kv_events import KvEventLog
-from baton.services.common.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
+from baton.services.common.limits import check_ceilings
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.common.tokenizer import (
     apply_chat_template,
@@ -169,11 +169,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if request_id is not None:
-            check_ceiling("request_id", len(request_id), REQUEST_ID_CEILING, "characters")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        check_ceiling("cache_salt", len(cache_salt or ""), CACHE_SALT_CEILING, "characters")
+        check_ceilings("", {"request_id": request_id or "", "cache_salt": cache_salt or ""})
         token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")

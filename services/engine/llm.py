@@ -76,7 +76,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults, overridden by the model's generation_config.json
-        (see services/engine/generation_config.py)."""
+        (see services/common/generation_config.py)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
     def reset_prefix_cache(self) -> int:

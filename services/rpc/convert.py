@@ -3,11 +3,16 @@ workers alike. The sampling seams, one conversion per boundary a request crosses
 
     HTTP body (or a client) -> the wire   `sampling_message`: values to the message
                                           (router/openai/protocol.py, cli/generate.py)
-    the wire -> the router                `sampling_params`: the router's check
+    the wire -> the router                `sampling_params` with the model's defaults
+                                          (as a worker's): the router's check
                                           (router/intake.py), its result dropped
     the wire -> a worker                  `sampling_params` with the model's defaults,
                                           once per Prefill or Decode call: the engine
                                           takes that SamplingParams as it is
+
+The model's defaults are its generation_config.json's (services/common/
+generation_config.py), read by the router and the workers alike; SamplingParams' own
+defaults are spelled on its fields alone (`DEFAULTS`).
 
 The router forwards the message it checked to the prefill and decode workers as it came:
 no dict, no second message.
