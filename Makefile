@@ -9,8 +9,11 @@ MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 .PHONY: install model test test-fast test-latest lock lint protos protos-check proto-release \
 	serve bench vllm bench-vllm clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/worker/v1/worker.proto
+# The generated services' static calls (Generation.Generate(request, target), ...) use
+# grpc.experimental, which `import grpc` does not load: the stubs import it themselves.
 PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) \
-	--grpc_python_out=$(1) $(PROTOS)
+	--grpc_python_out=$(1) $(PROTOS) && sed -i 's/^import grpc$$/import grpc\nimport grpc.experimental/' \
+	$$(find $(1)/baton -name '*_pb2_grpc.py')
 
 # Everything installs from the lock (requirements/*.txt: every package pinned and hashed,
 # for CPython 3.11 on x86-64 Linux; `make lock` writes them). torch goes first, alone: the
@@ -48,7 +51,7 @@ model: $(MODEL)
 # tests are listed at the end.
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-test: $(STAMP) $(MODEL) protos-check lint
+test: $(STAMP) $(MODEL) lint
 	$(PYTEST)
 
 # Everything but the services as processes and the slowest model runs (under 3 minutes).
@@ -85,16 +88,23 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	rm -rf .cache/protos-check && mkdir -p .cache/protos-check
 	$(call PROTOC,.cache/protos-check)
-	diff -r -x '__init__.py' -x '*.proto' -x '*.binpb' -x '__pycache__' \
-		.cache/protos-check/baton protos/baton \
+	cd protos && find baton -name '*_pb2*' -not -path '*/__pycache__/*' | sort > ../.cache/protos-check/committed
+	cd .cache/protos-check && find baton -type f | sort > generated
+	diff .cache/protos-check/generated .cache/protos-check/committed \
+		&& for f in $$(cat .cache/protos-check/generated); do \
+			cmp -s .cache/protos-check/$$f protos/$$f || { echo "$$f differs"; exit 1; }; done \
 		|| (echo "generated stubs drifted from protos/*.proto: run 'make protos'" && exit 1)
 
-# ruff, and the public API (package baton.v1) against the set released last
+# ruff, then the type checker over every module of the baton package (pyright, basic mode;
+# [tool.pyright] in pyproject.toml says what it reads), then the stubs against the .protos,
+# then the public API (package baton.v1) against the set released last
 # (protos/baton/v1/released.binpb): a message, field, enum value, service or method removed,
-# renumbered, retyped or reused fails, each named (scripts/proto_compat.py).
+# renumbered, retyped or reused fails, each named (scripts/proto_compat.py);
 # baton.worker.v1 is internal and not held to it.
-lint: $(STAMP)
+# PYRIGHT_PYTHON_IGNORE_WARNINGS: no look on PyPI for a newer pyright (the lock's is run).
+lint: $(STAMP) protos-check
 	$(BIN)/ruff check .
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright
 	$(BIN)/python scripts/proto_compat.py
 
 # At a release only: baton.v1 as it stands becomes what `make lint` holds later changes

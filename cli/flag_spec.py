@@ -94,7 +94,8 @@ class Flag:
         return value
 
 
-def _f(name, roles, fills, help, **kw) -> Flag:
-    if isinstance(fills, str):
-        fills = (tuple(fills.split(".")),)
-    return Flag(name, tuple(roles), tuple(fills), help, **kw)
+def _f(name, roles, fills: str | tuple[tuple[str, str], ...], help, **kw) -> Flag:
+    if isinstance(fills, str):  # "config.field"
+        config, field = fills.split(".", 1)
+        fills = ((config, field),)
+    return Flag(name, tuple(roles), fills, help, **kw)

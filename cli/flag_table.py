@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from baton.cli.flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
+from baton.services.common.limits import TABLE
 from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.tool_parsers import TOOL_PARSERS
 from baton.services.engine.config import DTYPES
@@ -65,9 +66,11 @@ FLAGS: list[Flag] = [
        "text in a chat's messages, tools and template variables that spells a special "
        "token (<|im_end|>, ...) becomes that control token, as in vLLM (default: plain "
        "text, so no message can forge a turn)", kind=bool),
-    _f("generation-config", WORKERS, "engine.generation_config",
+    _f("generation-config", ROLES,
+       (("engine", "generation_config"), ("router", "generation_config")),
        "auto: the model's generation_config.json gives EOS ids and the defaults of unset "
-       "sampling values; none: ignore it; or a folder holding one"),
+       "sampling values (the router checks requests with the same defaults: give it the "
+       "workers' value); none: ignore it; or a folder holding one"),
     _f("dtype", WORKERS, "engine.dtype",
        "weights, activations and KV cache; auto: the checkpoint's, in bf16 on CPU and for "
        "fp32 checkpoints", choices=DTYPES),
@@ -201,28 +204,8 @@ FLAGS: list[Flag] = [
        "seconds an HTTP request's body may take to arrive once its headers are in; past "
        "it, 408", kind=float),
     # -- the size of one request (router and colocated; docs/configuration.md "Limits")
-    _f("max-prompts", ROUTERS, "limits.max_prompts", "prompts in one completions request",
-       kind=int),
-    _f("max-n", ROUTERS, "limits.max_n", "choices (n) per prompt", kind=int),
-    _f("max-messages", ROUTERS, "limits.max_messages", "messages in one chat", kind=int),
-    _f("max-prompt-chars", ROUTERS, "limits.max_prompt_chars",
-       "characters of prompt text and message contents in one request", kind=int),
-    _f("max-prompt-token-ids", ROUTERS, "limits.max_prompt_token_ids",
-       "prompt token ids in one request", kind=int),
-    _f("max-stop", ROUTERS, "limits.max_stop", "stop strings in one request", kind=int),
-    _f("max-stop-chars", ROUTERS, "limits.max_stop_chars", "characters of one stop string",
-       kind=int),
-    _f("max-stop-token-ids", ROUTERS, "limits.max_stop_token_ids",
-       "stop token ids in one request", kind=int),
-    _f("max-cache-salt-chars", ROUTERS, "limits.max_cache_salt_chars",
-       "characters of a cache_salt", kind=int),
-    _f("max-request-id-chars", ROUTERS, "limits.max_request_id_chars",
-       "characters of a request_id", kind=int),
-    _f("max-user-chars", ROUTERS, "limits.max_user_chars",
-       "characters of the OpenAI `user` field", kind=int),
-    _f("max-answer-tokens", ROUTERS, "limits.max_answer_tokens",
-       "tokens and logprobs one OpenAI request's answer may hold: n x max_tokens x (1 + "
-       "top_logprobs) over its prompts (max_tokens unset: max_model_len)", kind=int),
+    *[_f(row.flag, ROUTERS, f"limits.{row.name}", row.help, kind=int) for row in TABLE
+      if row.flag],
     _f("poll-interval", ("router",), "router.poll_interval",
        "seconds between stats polls of every worker", kind=float),
     _f("worker-timeout", ("router",), "router.worker_timeout",

@@ -133,7 +133,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     """The command line (and, for serve and up, the BATON_* variables): the arguments,
     and the flags of the command that runs."""
     command = argv[0] if argv else None
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="baton", description=(__doc__ or "").split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     # Flags (and their variables) are read only for the command that runs.
     if command == "serve":

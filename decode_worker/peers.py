@@ -139,6 +139,8 @@ class Peers:
     def confirm(self, handle: KVHandle) -> Future:
         """After a pull: release the lease at the source; the future says whether it was
         still held. Called from the engine thread; the RPC runs on the event loop."""
+        if self._loop is None:
+            raise RuntimeError("Peers.bind(loop) comes first (the servicer calls it)")
         return asyncio.run_coroutine_threadsafe(self._confirm(handle), self._loop)
 
     def _channel(self, engine_id: str) -> grpc.Channel:

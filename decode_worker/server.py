@@ -30,6 +30,7 @@ from baton.kv_transfer.connectors import make_receiver
 from baton.kv_transfer.faults import FailingReceiver
 from baton.kv_transfer.lease_check import LeaseCheckedReceiver
 from baton.services.engine.engine import LLMEngine
+from baton.services.lora.calls import lora_of
 from baton.services.rpc import tracing
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import (
@@ -43,7 +44,6 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
-from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
@@ -78,7 +78,7 @@ def _warm_up(receiver: KVReceiver, engine_id: str, timeout_s: float = 10.0) -> N
 
 class DecodeServicer(wk_grpc.DecodeServiceServicer):
     def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str, peers: Peers,
-                 receiver: KVReceiver, metrics: WorkerMetrics | None = None):
+                 receiver: KVReceiver | None, metrics: WorkerMetrics | None = None):
         self.aengine = aengine
         self.metrics = metrics
         self.engine_id = engine_id
@@ -117,15 +117,18 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                     raise FailedPrecondition(f"prefill worker {address} cannot prove that it "
                                              "holds the cluster token: not pulling from it")
                 if reply.engine_id == known:
-                    return known
+                    return reply.engine_id
                 layout = layout_from_message(reply.layout)
                 self.layout.check_compatible(layout)
                 if reply.transport != self.transport:
                     raise IncompatibleLayout(f"KV transport: ours {self.transport!r}, "
                                              f"peer {reply.transport!r}")
-                await asyncio.to_thread(self.receiver.add_peer, reply.engine_id, layout,
+                receiver = self.receiver
+                if receiver is None:  # colocated: it never takes KV from a peer
+                    raise FailedPrecondition("this worker takes no KV from prefill workers")
+                await asyncio.to_thread(receiver.add_peer, reply.engine_id, layout,
                                         reply.transport_metadata)
-                await asyncio.to_thread(_warm_up, self.receiver, reply.engine_id)
+                await asyncio.to_thread(_warm_up, receiver, reply.engine_id)
             except IncompatibleLayout as e:
                 raise FailedPrecondition(f"prefill worker {address} is incompatible: {e}"
                                          ) from None
@@ -206,7 +209,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 if first and on_output is not None:
                     on_output()  # the load is over (once; peers.holding)
                 if out.engine_failed:  # INTERNAL: the router moves the request elsewhere
-                    raise Internal(out.error)
+                    raise Internal(out.error or "the engine failed")
                 if out.error:  # ABORTED: a deliberate end (the router does not move it)
                     raise Aborted(out.error)
                 reply = wk.DecodeResponse(delta=delta_message(out))
@@ -230,6 +233,9 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
 
 
 def serve(config: WorkerConfig) -> None:
+    transport = config.kv_transport
+    if transport is None:  # the CLI sets it (NIXL where it loads, else gRPC)
+        raise ValueError("kv_transport: not set (nixl or grpc)")
     security = Security.of(config)
     if not security.verifies_peers:
         log.warning("no --cluster-token and no mutual TLS (--tls-ca): no prefill worker can "
@@ -240,7 +246,7 @@ def serve(config: WorkerConfig) -> None:
 
     def receiver(layout: KVLayout, kv_caches: list) -> KVReceiver:
         """The transport over the engine's caches, its pulls checked against the lease."""
-        made["transport"] = pulls = make_receiver(config.kv_transport, config.engine_id,
+        made["transport"] = pulls = make_receiver(transport, config.engine_id,
                                                   layout, kv_caches, fetch=peers.fetch)
         if config.inject_kv_failure:
             log.warning("test hook: every KV pull will fail (%s)", config.inject_kv_failure)
@@ -252,7 +258,7 @@ def serve(config: WorkerConfig) -> None:
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(aengine, config.engine_id, config.kv_transport, peers,
+            DecodeServicer(aengine, config.engine_id, transport, peers,
                            made["transport"], metrics), server)
 
     run_worker(config, "decode", engine, "DecodeService", add,

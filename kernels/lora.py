@@ -6,7 +6,7 @@ flat batch carries the slot of its request's adapter, and each LoRA'd projection
 in one gathered "shrink" (x -> rank space) and one "expand" (rank space -> out), whatever
 mix of adapters and base-model requests the step holds.
 
-Weights of one projection, for every resident adapter at once (services/engine/lora.py):
+Weights of one projection, for every resident adapter at once (services/lora/slots.py):
 
     a  [slots, R, in]     R = parts * max_lora_rank: a fused projection (q|k|v, gate|up)
                           stacks each part's A; ranks below the maximum are zero rows

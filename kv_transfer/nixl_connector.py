@@ -20,7 +20,12 @@ import threading
 
 import numpy as np
 import torch
-from nixl_cu12 import nixl_agent, nixl_agent_config
+from nixl_cu12 import (
+    nixl_agent,
+    nixl_agent_config,
+    nixl_prepped_dlist_handle,
+    nixl_xfer_handle,
+)
 
 from baton.kv_transfer.base import (
     IncompatibleLayout,
@@ -110,8 +115,9 @@ class NixlConnector(KVSender, KVReceiver):
         layer_bytes = kv_caches[0].numel() * kv_caches[0].element_size()
 
         self._lock = threading.Lock()
-        self._peers: dict[str, tuple[str, bytes, object, int]] = {}  # id -> name, md, dlist, N
-        self._active: dict[str, tuple[object, str]] = {}  # transfer id -> (xfer handle, peer)
+        # engine id -> name, metadata, prepared dlist, its number of blocks
+        self._peers: dict[str, tuple[str, bytes, nixl_prepped_dlist_handle, int]] = {}
+        self._active: dict[str, tuple[nixl_xfer_handle, str]] = {}  # transfer id -> (xfer, peer)
         self._finished: dict[str, tuple[TransferState, str | None]] = {}  # never posted
         self._closed = False
 

@@ -17,6 +17,7 @@ import grpc
 from baton.kv_transfer.connectors import make_sender
 from baton.services.common.finish import FinishReason
 from baton.services.engine.engine import LLMEngine
+from baton.services.lora.calls import lora_of
 from baton.services.rpc import tracing
 from baton.services.rpc.cluster import ClusterToken
 from baton.services.rpc.convert import sampling_params
@@ -25,7 +26,6 @@ from baton.services.rpc.security import Security
 from baton.services.worker import spans
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
-from baton.services.worker.lora_calls import lora_of
 from baton.services.worker.messages import (
     delta_message,
     layout_from_message,
@@ -125,14 +125,17 @@ def _undelivered(context) -> bool:
 
 
 def serve(config: WorkerConfig) -> None:
+    transport = config.kv_transport
+    if transport is None:  # the CLI sets it (NIXL where it loads, else gRPC)
+        raise ValueError("kv_transport: not set (nixl or grpc)")
     security = Security.of(config)
     engine = make_engine(config.engine, config.threads)
-    sender = make_sender(config.kv_transport, config.engine_id, engine.kv_layout,
+    sender = make_sender(transport, config.engine_id, engine.kv_layout,
                          engine.kv_caches)
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(
-            PrefillServicer(aengine, config.engine_id, config.kv_transport,
+            PrefillServicer(aengine, config.engine_id, transport,
                             sender.metadata(), metrics, security.cluster), server)
 
     run_worker(config, "prefill", engine, "PrefillService", add, closers=[sender.close])

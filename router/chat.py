@@ -201,11 +201,12 @@ def plan(request: gen.GenerateRequest, chat: Chat | None, prompt_ids: list[int],
         raise InvalidArgument('tool_choice: "auto" needs the router to run with '
                               "--enable-auto-tool-choice and --tool-call-parser")
     constraint = None
+    tools = chat.tools if chat is not None else []
     if mode in ("required", "function"):
         if request.sampling.HasField("structured_output"):
             raise InvalidArgument("tool_choice: a named function or \"required\" is a "
                                   "constraint of its own; drop the structured output")
-        constraint = _tool_constraint(request, chat.tools, mode)
+        constraint = _tool_constraint(request, tools, mode)
     reasoning = settings.reasoning_parser if chat is not None else None
     end_ids = marker_ids(REASONING_PARSERS[reasoning].end_marker) if reasoning else []
     if reasoning and _closed(prompt_ids, end_ids):
@@ -219,10 +220,10 @@ def plan(request: gen.GenerateRequest, chat: Chat | None, prompt_ids: list[int],
             request.sampling.structured_output.start_after_token_ids[:] = end_ids
     if mode == "none" and not reasoning:
         return request, None
-    tools = chat.tools if chat is not None else []
 
     def make() -> ChatOutput:
         if mode == "auto":
+            assert settings.tool_call_parser  # "auto" needs it (refused above without)
             calls = TOOL_PARSERS[settings.tool_call_parser](tools)
         elif mode == "function":
             calls = NamedCall(request.tool_choice.function)

@@ -56,7 +56,7 @@ class GrpcWorkerClient:
         self.address = address
         self.channel = (security.aio_channel(address) if security is not None
                         else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
-        self._inflight: dict[object, bool] = {}  # call -> failed by fail_inflight()
+        self._inflight: dict[grpc.aio.Call, bool] = {}  # call -> failed by fail_inflight()
         self._closed = False
 
     async def close(self) -> None:
@@ -243,3 +243,8 @@ class LocalWorkerClient:
 
     async def connect(self, prefill_address: str):
         raise WorkerError(grpc.StatusCode.UNIMPLEMENTED, "no prefill role here")
+
+
+# What the registry holds for each worker: both answer every call (the local one
+# UNIMPLEMENTED for what a colocated worker has no use for).
+WorkerClient = GrpcWorkerClient | LocalWorkerClient

@@ -8,7 +8,7 @@ from baton.router.chat import ChatSettings
 from baton.router.discovery import Target
 from baton.router.policy import Policy
 from baton.services.common.limits import Limits
-from baton.services.common.lora_names import parse_lora_module
+from baton.services.lora.names import parse_lora_module
 from baton.services.rpc.config import ServiceConfig
 
 
@@ -31,6 +31,9 @@ class RouterConfig:
     revision: str | None = None  # of a hub id
     tokenizer_revision: str | None = None  # of a --tokenizer hub id
     chat_template: str | None = None  # a jinja file or inline template; None: the tokenizer's
+    # The defaults of unset sampling values, as the workers take them (the router checks
+    # a request as they will run it): "auto" (the model's), "none", or a folder.
+    generation_config: str = "auto"
     # A chat message's text that spells a special token is that control token (vLLM's
     # way); False: plain text (services/common/plain_content.py).
     allow_special_tokens_in_content: bool = False
@@ -63,7 +66,7 @@ class RouterConfig:
     enable_lora: bool = False  # LoRA adapters served (requests name them; loaded at run time)
     lora_modules: tuple[str, ...] = ()  # "name=path" served from the start
     allow_runtime_lora_updating: bool = False  # the load and unload routes and RPCs
-    # The directory a run-time load's path must lie beneath (services/common/lora_paths.py);
+    # The directory a run-time load's path must lie beneath (services/lora/paths.py);
     # the load routes need it. --lora-modules, the operator's, may lie anywhere.
     lora_root: str | None = None
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
@@ -39,7 +39,7 @@ from baton.router.clients import WorkerError
 from baton.router.fallback import LocalPrefills, why_no_prefill
 from baton.router.intake import Intake, Job
 from baton.router.lease import PrefillLease
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry
 from baton.router.reply import Caller, Reply
@@ -135,7 +135,7 @@ class Router:
 
     async def generate(self, request: gen.GenerateRequest, caller: Caller,
                        admission: Admission | None = None
-                       ) -> AsyncIterator[gen.GenerateResponse]:
+                       ) -> AsyncGenerator[gen.GenerateResponse]:
         """One request's stream; it holds one of `admission`'s slots (a choice of a
         request admitted whole), or takes its own."""
         m = self.metrics
@@ -184,7 +184,7 @@ class Router:
                         lora: wk.LoraAdapter | None = None):
         reply = Reply(job, self.cache_salt(job, caller), lora)
         local, why = self.registry.local_prefill(reply.blocks)
-        if local is not None:  # conditional disaggregation: the decode worker prefills
+        if local is not None and why:  # conditional disaggregation: the decode worker prefills
             self._local(reply, why, f"on {local.address}")
             first, lease = None, PrefillLease(None, job.request_id)
         else:

@@ -99,7 +99,7 @@ async def resolve(target: Target, timeout: float = 2.0) -> list[str]:
             raise OSError(f"resolving {target.host}: {e}") from None
         except TimeoutError:
             raise OSError(f"resolving {target.host}: timed out") from None
-        return _one_family({info[4][0] for info in infos}, target.port)
+        return _one_family({str(info[4][0]) for info in infos}, target.port)
     resolver = dns.asyncresolver.Resolver(configure=False)
     resolver.nameservers = [target.server[0]]
     resolver.port = target.server[1]

@@ -75,10 +75,13 @@ def why_no_prefill(registry: Registry) -> tuple[str, str]:
         return "prefill_down", "prefill workers: " + states(registry.prefill)
     now, seen = time.monotonic(), []
     for p in up:
+        eid = p.engine_id
+        if eid is None:  # up: it has answered a poll, which names its engine
+            continue
         for d in (d for d in registry.decode if d.state == "up"):
-            key = (d.address, p.engine_id)
-            if d.pairs.get(p.engine_id):
-                why = f"refused: {d.pairs[p.engine_id]}"
+            key = (d.address, eid)
+            if d.pairs.get(eid):
+                why = f"refused: {d.pairs[eid]}"
             elif key in registry.connecting:
                 why = f"handshake under way for {now - registry.connecting[key][1]:.1f} s"
             else:

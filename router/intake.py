@@ -8,14 +8,17 @@ many per token of max_model_len cannot fit), and the tokenizer runs on a worker 
 a multi-megabyte prompt never stalls the event loop that streams every other request.
 
 The sampling values are checked by the engine's own rules: `convert.sampling_params`, the
-router's one conversion of the wire's SamplingParams; the message itself goes on to the
-workers as it came, but for what a chat's tool_choice and the router's reasoning parser
-add to its constraint (chat.py), which also makes each choice's output parser.
+router's one conversion of the wire's SamplingParams, with the model's defaults of unset
+values as the workers take them (services/common/generation_config.py); the message
+itself goes on to the workers as it came, but for what a chat's tool_choice and the
+router's reasoning parser add to its constraint (chat.py), which also makes each
+choice's output parser.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from baton.router.chat import Chat, ChatSettings, check_chat, plan
 from baton.router.chat_output import ChatOutput
 from baton.router.unparsed import ByteBudget, ParseTurns
-from baton.services.common.limits import Limits
+from baton.services.common.limits import TABLE, Limits, count
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
@@ -50,8 +53,12 @@ class Job:
 class Intake:
     def __init__(self, tokenizer: Tokenizer, threads: int = 2, limits: Limits | None = None,
                  parse_threads: int = 2, chat: ChatSettings | None = None,
-                 parses_per_key: int = 1, unparsed_bytes: int = UNPARSED_BYTES):
+                 parses_per_key: int = 1, unparsed_bytes: int = UNPARSED_BYTES,
+                 sampling_defaults: dict | None = None):
         self.tokenizer = tokenizer
+        # The model's defaults of unset sampling values (its generation_config.json), as
+        # the workers apply them: a request is checked as it will run.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.chat = chat or ChatSettings()  # the router's tool call and reasoning parsers
         self.limits = limits or Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
@@ -63,15 +70,13 @@ class Intake:
 
     async def job(self, request: gen.GenerateRequest, info: gen.ModelInfo | None) -> Job:
         """Validate `request` against the model (`info`, when a worker has said it)."""
-        check = self.limits.check
-        check("max_request_id_chars", len(request.request_id), "request_id")
-        check("max_cache_salt_chars", len(request.cache_salt), "cache_salt")
+        for row in TABLE:  # every bounded field of the request, at its wire path
+            if row.wire is not None:
+                value = functools.reduce(getattr, row.wire.split("."), request)
+                self.limits.check(row.name, count(row, value), row.wire)
         s = request.sampling
-        check("max_stop", len(s.stop), "sampling.stop")
-        check("max_stop_chars", max(map(len, s.stop), default=0), "sampling.stop")
-        check("max_stop_token_ids", len(s.stop_token_ids), "sampling.stop_token_ids")
         try:  # the engine's own rules, before any worker sees the request
-            sampling_params(s)
+            sampling_params(s, self.sampling_defaults)
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"sampling: {e}") from None
         ids, chat = await self._prompt(request, info)

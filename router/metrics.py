@@ -138,12 +138,13 @@ class RequestSeen:
             m.prompt_total += self.prompt_tokens
             if v is not None:
                 v.first_token(m.model, now - self.t0, t.queue_s, t.prefill_s)
-        elif n:
-            itl, gap = m.labels(m.itl), (now - self.last) / n
+        elif n and self.last is not None:
+            since = now - self.last
+            itl, gap = m.labels(m.itl), since / n
             for _ in range(n):
                 itl.observe(gap)
             if v is not None:
-                v.tokens(m.model, n, now - self.last)
+                v.tokens(m.model, n, since)
         if n:
             self.last = now
             self.generated += n

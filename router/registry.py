@@ -39,9 +39,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from baton.router.clients import WorkerError
+from baton.router.clients import WorkerClient, WorkerError
 from baton.router.config import RouterConfig
 from baton.router.discovery import Target, resolve
 from baton.router.kv_index import PrefixIndex, PromptBlocks
@@ -60,7 +61,7 @@ PAIRING_WAIT_S = 3.0
 class Worker:
     address: str
     role: str
-    client: object  # GrpcWorkerClient or LocalWorkerClient
+    client: WorkerClient
     state: str = "unknown"  # "unknown" until its first poll, then up / draining / down
     stats: wk.GetStatsResponse | None = None
     last_seen: float = 0.0  # monotonic time of the last answered poll
@@ -86,7 +87,7 @@ class Registry:
                  worker_timeout_s: float = 3.0,
                  on_ready: Callable[[bool, str], Awaitable[None]] | None = None,
                  policy: Policy | None = None, targets: dict[str, list[Target]] | None = None,
-                 make_client: Callable[[str], object] | None = None,
+                 make_client: Callable[[str], WorkerClient] | None = None,
                  discovery_interval: float = 2.0,
                  discovery_grace: float = RouterConfig.discovery_grace):
         self.prefill = prefill
@@ -165,6 +166,7 @@ class Registry:
             for a, text in found.items():
                 if a not in known:
                     log.info("%s worker %s found by %s", role, a, text)
+                    assert self.make_client is not None  # given with targets (build)
                     workers.append(Worker(a, role, self.make_client(a), target=text))
         for w in [w for w in self.retired if not w.client.busy()]:
             self.retired.remove(w)
@@ -222,7 +224,8 @@ class Registry:
     def _pair(self) -> None:
         """Start the handshakes of every up decode worker with every up prefill engine it
         has not paired with (nor been refused by), unless under way."""
-        by_id = {p.engine_id: p for p in self.prefill if p.state == "up"}
+        by_id = {p.engine_id: p for p in self.prefill
+                 if p.state == "up" and p.engine_id is not None}
         for d in self.decode:
             if d.state != "up":
                 continue
@@ -370,7 +373,7 @@ class Registry:
         why = self.policy.local_prefill(best, prompt)
         return (best if why else None), why
 
-    def pick_decode(self, engine_id: str | None, exclude: set[str] = frozenset(),
+    def pick_decode(self, engine_id: str | None, exclude: AbstractSet[str] = frozenset(),
                     prompt: PromptBlocks | None = None, prefer: Worker | None = None
                     ) -> tuple[Worker, bool]:
         """The cheapest decode worker for `prompt` that takes new requests, not in

@@ -36,7 +36,7 @@ class Reply:
     def __init__(self, job: Job, cache_salt: str, lora: wk.LoraAdapter | None = None):
         self.job = job
         self.cache_salt = cache_salt  # the request's, in its caller's namespace
-        self.lora = lora  # the LoRA adapter it runs (loras.py); None: the base model
+        self.lora = lora  # the LoRA adapter it runs (lora/registry.py); None: the base model
         self.blocks = PromptBlocks(job.prompt_ids, cache_salt, lora.name if lora else "")
         self.t0 = time.monotonic()
         self.local_reason: str | None = None  # why a decode worker computes its prompt
@@ -83,7 +83,7 @@ class Reply:
                                 prompt_token_ids=self.job.prompt_ids, sampling=r.sampling,
                                 priority=r.priority, cache_salt=self.cache_salt,
                                 lora=self.lora)
-        if lease.live:
+        if lease.handle is not None:  # live
             dreq.first_token_id = self.streamed[0]
             dreq.handle.CopyFrom(lease.handle)
             dreq.prefill_address = lease.worker.address

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Sequence
 from contextlib import aclosing
+from pathlib import Path
 
 import grpc
 
 from baton.router import wire
-from baton.router.clients import GrpcWorkerClient
+from baton.router.clients import GrpcWorkerClient, WorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Router
 from baton.router.intake import Intake
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.router.metrics import RouterMetrics
 from baton.router.registry import Registry, Worker
 from baton.router.reply import Caller
@@ -76,7 +78,8 @@ class RouterServicer(gen_grpc.GenerationServicer):
         return gen.UnloadLoraAdapterResponse()
 
 
-def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode: list = (),
+def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerClient] = (),
+          decode: Sequence[WorkerClient] = (),
           targets: dict | None = None, make_client=None, vllm_metrics: bool = True) -> Router:
     """The router over the given worker clients, and those its registry finds at
     `targets` (clients from `make_client(address)`), exporting vLLM's metric names for
@@ -86,6 +89,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
     Generate and Tokenize requests are counted against before protobuf parses them, both
     on the intake's parse threads (the event loop never parses a request)."""
     from baton.services.common.default_model import default_model_path
+    from baton.services.common.generation_config import read_generation_config
     from baton.services.common.model_source import resolve_tokenizer
 
     registry = Registry([Worker(c.address, "prefill", c) for c in prefill],
@@ -96,12 +100,21 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: list = (), decode
                         make_client=make_client,
                         discovery_interval=config.discovery_interval,
                         discovery_grace=config.discovery_grace)
-    source = resolve_tokenizer(config.tokenizer, config.model or default_model_path(),
-                               config.revision, config.tokenizer_revision)
+    model = config.model or default_model_path()
+    source = resolve_tokenizer(config.tokenizer, model, config.revision,
+                               config.tokenizer_revision)
+    # The model's folder, where the workers read its defaults of unset sampling values:
+    # the tokenizer's, unless --tokenizer names another.
+    folder = source
+    if config.tokenizer is not None and config.generation_config == "auto":
+        folder = (Path(model) if Path(model).exists()
+                  else resolve_tokenizer(None, model, config.revision))
     intake = Intake(Tokenizer(source, config.chat_template,
                               config.allow_special_tokens_in_content), limits=config.limits,
                     chat=config.chat_settings(), parses_per_key=config.max_parses_per_key,
-                    unparsed_bytes=config.max_unparsed_bytes)
+                    unparsed_bytes=config.max_unparsed_bytes,
+                    sampling_defaults=read_generation_config(config.generation_config,
+                                                             folder)[1])
 
     def max_model_len() -> int | None:  # once a worker has said it
         info = registry.model_info()

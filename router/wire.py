@@ -20,16 +20,13 @@ the end of its message. No well-formed request holds any of them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from baton.router.chat import MAX_TOOL_CALLS, MAX_TOOLS
 from baton.services.common import constraint_limits
-from baton.services.common.limits import (
-    BAD_WORD_CHARS_CEILING,
-    BAD_WORDS_CEILING,
-    LOGIT_BIAS_CEILING,
-    Limits,
-    check_bound,
-)
+from baton.services.common.limits import ITEMS, TABLE, Limits, check_bound
 from baton.services.common.sampling_params import MAX_START_AFTER
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
@@ -52,22 +49,58 @@ TOOLS, TOOL_CALLS = _number(gen.ChatMessages, "tools"), _number(gen.ChatMessage,
 MESSAGE_FIELDS = len(gen.ChatMessage.DESCRIPTOR.fields)
 TOKEN_IDS, IDS = _number(gen.GenerateRequest, "token_ids"), _number(gen.TokenIds, "ids")
 SAMPLING = _number(gen.GenerateRequest, "sampling")
-STOP = _number(gen.SamplingParams, "stop")
-STOP_TOKEN_IDS = _number(gen.SamplingParams, "stop_token_ids")
 STRUCTURED = _number(gen.SamplingParams, "structured_output")
-LOGIT_BIAS = _number(gen.SamplingParams, "logit_bias")  # one map entry per field
-BAD_WORDS = _number(gen.SamplingParams, "bad_words")
 CHOICE, CHOICES = _number(gen.StructuredOutput, "choice"), _number(gen.Choices, "choices")
 START_AFTER = _number(gen.StructuredOutput, "start_after_token_ids")
 CONSTRAINT_STRINGS = {_number(gen.StructuredOutput, name): name
                       for name in ("json_schema", "regex", "grammar")}
 TOKENIZE_CHAT = _number(gen.TokenizeRequest, "chat")
-# The strings whose length is bounded: field number -> (limit, field).
-GENERATE_STRINGS = {_number(gen.GenerateRequest, name): (limit, name) for name, limit in (
-    ("text", "max_prompt_chars"), ("cache_salt", "max_cache_salt_chars"),
-    ("request_id", "max_request_id_chars"))}
-TOKENIZE_STRINGS = {_number(gen.TokenizeRequest, "text"): ("max_prompt_chars", "text")}
 STRUCTURED_FIELD = "sampling.structured_output"
+_INTS = {FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64,
+         FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64}
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """A field of one message that rows of the limits' TABLE bound, as the walk reads it:
+    where it is (its wire path), whether it is a list of ints (packed or not), and the
+    wire type of one of its items."""
+
+    where: str
+    ints: bool
+    rows: tuple
+    kind: int
+
+
+def _bounded(message, scope: str, every: bool = True) -> dict[int, Bounded]:
+    """The fields of `message` (at the wire path `scope`) that the TABLE bounds, by field
+    number. `every`: each row at `scope` must name a field of it (else only those that
+    do: a TokenizeRequest has a text, not a cache_salt)."""
+    out: dict[int, Bounded] = {}
+    for row in TABLE:
+        at, _, name = (row.wire or "").rpartition(".")
+        if row.wire is None or at != scope:
+            continue
+        if name not in message.DESCRIPTOR.fields_by_name and not every:
+            continue
+        fd = message.DESCRIPTOR.fields_by_name[name]
+        ints = fd.cpp_type in _INTS
+        old = out.get(fd.number)
+        out[fd.number] = Bounded(row.wire, ints, (old.rows if old else ()) + (row,),
+                                 VARINT if ints else LEN)
+    return out
+
+
+GENERATE_BOUNDED = _bounded(gen.GenerateRequest, "")
+SAMPLING_BOUNDED = _bounded(gen.SamplingParams, "sampling")
+TOKENIZE_BOUNDED = _bounded(gen.TokenizeRequest, "", every=False)
+
+
+def _counted(bounded: dict[int, Bounded]) -> frozenset:
+    """The (number, wire type) of each item of a bounded list: counted against its row,
+    never against OTHER_FIELDS."""
+    return frozenset((n, b.kind) for n, b in bounded.items()
+                     if any(r.count == ITEMS for r in b.rows))
 
 
 def _refuse(why: str, at: int) -> InvalidArgument:
@@ -153,9 +186,18 @@ class _Walk:
     def add(self, where: str, limit: str, count: int) -> None:
         self.limits.check(limit, self.tally(where, count), where, more=True)
 
-    def string(self, start: int, end: int, limit: str, where: str) -> None:
-        if end - start > getattr(self.limits, limit):  # no more characters than bytes
-            self.limits.check(limit, _chars(self.raw, start, end), where)
+    def bounded(self, field: Bounded, kind: int, start: int, end: int) -> None:
+        """A field the TABLE bounds: each of its rows' counts, its items (those of a packed
+        list counted on its bytes) or its characters."""
+        if kind != field.kind and not (field.ints and kind == LEN):
+            return  # not what the field holds: protobuf refuses it
+        for row in field.rows:
+            most = self.limits.bound(row.name)
+            if row.count == ITEMS:
+                n = _packed(self.raw, kind, start, end, most) if field.ints else 1
+                self.add(field.where, row.name, n)
+            elif end - start > most:  # no more characters than bytes
+                self.limits.check(row.name, _chars(self.raw, start, end), field.where)
 
     def chat(self, start: int, end: int) -> None:
         counted = frozenset({(MESSAGES, LEN), (TOOLS, LEN)})
@@ -186,26 +228,9 @@ class _Walk:
                                           f"token ids; max_model_len is {most}")
 
     def sampling(self, start: int, end: int) -> None:
-        counted = frozenset({(STOP, LEN), (STOP_TOKEN_IDS, VARINT), (LOGIT_BIAS, LEN),
-                             (BAD_WORDS, LEN)})
-        for number, kind, a, b in self.fields(start, end, counted):
-            if number == STOP and kind == LEN:
-                self.add("sampling.stop", "max_stop", 1)
-                self.string(a, b, "max_stop_chars", "sampling.stop")
-            elif number == LOGIT_BIAS and kind == LEN:
-                where = "sampling.logit_bias"
-                check_bound(where, self.tally(where, 1), LOGIT_BIAS_CEILING, "entries",
-                            more=True)
-            elif number == BAD_WORDS and kind == LEN:
-                where = "sampling.bad_words"
-                check_bound(where, self.tally(where, 1), BAD_WORDS_CEILING, "words",
-                            more=True)
-                if b - a > BAD_WORD_CHARS_CEILING:  # no more characters than bytes
-                    check_bound(where, _chars(self.raw, a, b), BAD_WORD_CHARS_CEILING,
-                                "characters a word")
-            elif number == STOP_TOKEN_IDS:
-                self.add("sampling.stop_token_ids", "max_stop_token_ids", _packed(
-                    self.raw, kind, a, b, self.limits.max_stop_token_ids))
+        for number, kind, a, b in self.fields(start, end, _counted(SAMPLING_BOUNDED)):
+            if number in SAMPLING_BOUNDED:
+                self.bounded(SAMPLING_BOUNDED[number], kind, a, b)
             elif number == STRUCTURED and kind == LEN:
                 self.structured(a, b)
 
@@ -244,11 +269,11 @@ def check_generate(limits: Limits, max_model_len: Callable[[], int | None] = lam
     request_id, and the structured-output constraint's choices, size and start marker."""
     def check(raw: bytes) -> None:
         walk = _Walk(raw, limits, max_model_len())
-        for number, kind, a, b in walk.fields(0, len(raw)):
-            if kind != LEN:
+        for number, kind, a, b in walk.fields(0, len(raw), _counted(GENERATE_BOUNDED)):
+            if number in GENERATE_BOUNDED:
+                walk.bounded(GENERATE_BOUNDED[number], kind, a, b)
+            elif kind != LEN:
                 continue
-            if number in GENERATE_STRINGS:
-                walk.string(a, b, *GENERATE_STRINGS[number])
             elif number == CHAT:
                 walk.chat(a, b)
             elif number == TOKEN_IDS:
@@ -263,9 +288,9 @@ def check_tokenize(limits: Limits) -> Callable[[bytes], None]:
     """The raw check of Tokenize: chat messages, the length of text."""
     def check(raw: bytes) -> None:
         walk = _Walk(raw, limits)
-        for number, kind, a, b in walk.fields(0, len(raw)):
-            if kind == LEN and number in TOKENIZE_STRINGS:
-                walk.string(a, b, *TOKENIZE_STRINGS[number])
+        for number, kind, a, b in walk.fields(0, len(raw), _counted(TOKENIZE_BOUNDED)):
+            if number in TOKENIZE_BOUNDED:
+                walk.bounded(TOKENIZE_BOUNDED[number], kind, a, b)
             elif number == TOKENIZE_CHAT and kind == LEN:
                 walk.chat(a, b)
 

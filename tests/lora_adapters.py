@@ -8,7 +8,7 @@ import contextlib
 import copy
 from pathlib import Path
 
-from baton.services.engine.lora import TARGETS
+from baton.services.lora.adapter import TARGETS
 
 ALL = tuple(TARGETS)  # every projection an adapter may target
 

@@ -3,7 +3,7 @@
 
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or whole
     GET  /v1/models                              the served model and its LoRA adapters
-    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   vLLM's (lora_routes.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   vLLM's (router/lora/routes.py)
     GET  /health                                 200 when the router can serve, else 503
     GET  /metrics                                Prometheus
     POST /tokenize, /detokenize; GET /version    vLLM's (extra_routes.py)
@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.router.core import Router
-from baton.router.openai import errors, extra_routes, lora_routes
+from baton.router.lora import routes as lora_routes
+from baton.router.openai import errors, extra_routes
 from baton.router.openai.body import HELD, KEY_ID, parse_body, parsed
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import Choice, Renderer, Tally, error_body, event, param_of
@@ -219,7 +220,8 @@ def make_app(router: Router, security: Security, lifecycle: Lifecycle,
             if count > router.max_inflight:
                 raise InvalidArgument(f"n: {count} choices are more than the router runs "
                                       f"at once ({router.max_inflight})")
-            requests = await intake.parse(body.requests, info.max_model_len, key=key)
+            requests = await intake.parse(body.requests, info.max_model_len,
+                                          intake.sampling_defaults, key=key)
             body.check_answer(requests, intake.limits)  # what rendering it may cost
             for r in requests:
                 r.lora = lora

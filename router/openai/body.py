@@ -17,37 +17,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from json.decoder import JSONArray, JSONObject
-from json.scanner import py_make_scanner
+
+# CPython's own pure-Python JSON parser pieces (what json.loads runs without its C
+# scanner), documented in its source, not in the type stubs.
+from json.decoder import JSONArray, JSONObject  # pyright: ignore[reportAttributeAccessIssue]
+from json.scanner import py_make_scanner  # pyright: ignore[reportAttributeAccessIssue]
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
-from baton.services.common.limits import (
-    BAD_WORD_CHARS_CEILING,
-    BAD_WORDS_CEILING,
-    LOGIT_BIAS_CEILING,
-    Limits,
-    OverLimit,
-    check_bound,
-)
+from baton.services.common.limits import ITEMS, TABLE, Limits, OverLimit, check_bound, count
 from baton.services.rpc.errors import InvalidArgument
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)
 CHOICES = "choices"  # the engine's fixed bound on a constraint's choices (MAX_CHOICES)
-BAD_WORDS = "bad_words"  # the engine's fixed bound on bad_words (BAD_WORDS_CEILING)
 # In the ASGI scope (the app's Guard puts them there): the caller's API key as
 # security.key_id, and the body's bytes held against the unparsed budget (unparsed.py).
 KEY_ID, HELD = "baton.key_id", "baton.held"
 PROMPT_IDS = "prompt ids"  # one of several prompts of token ids: max_model_len alone
 # The arrays a body may hold that have a limit, by the keys down to them, and what each
-# counts against: a Limits field, CHOICES or BAD_WORDS.
-ARRAY_LIMITS = {("messages",): "max_messages", ("stop",): "max_stop",
-                ("stop_token_ids",): "max_stop_token_ids", ("prompt",): "max_prompts",
+# counts against: a row of the limits' TABLE, or CHOICES.
+ARRAY_LIMITS = {("messages",): "max_messages", ("prompt",): "max_prompts",
                 ("guided_choice",): CHOICES, ("structured_outputs", "choice"): CHOICES,
-                ("bad_words",): BAD_WORDS}
+                **{(row.body,): row.name for row in TABLE if row.body and row.count == ITEMS}}
 # A chat message's strings, besides its content and tool calls, that a template renders.
 MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 # The members that hold a structured-output constraint: a constraint's text is bounded
@@ -55,8 +50,11 @@ MESSAGE_STRINGS = ("name", "reasoning_content", "tool_call_id")
 CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
-def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
-               max_model_len: int | None = None) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes | list[bytes], kind: type[Body], limits: Limits,
+               max_model_len: int | None = None) -> Body:
     """The body (or its chunks) as `kind`, or a ValueError naming the first field over a
     limit (OverLimit) or malformed (InvalidArgument). A prompt of token ids that cannot
     fit `max_model_len` (None: not known yet) is refused as it is counted."""
@@ -72,12 +70,13 @@ def parse_body(raw: bytes | list[bytes], kind: type[BaseModel], limits: Limits,
         first = e.errors()[0]
         param = ".".join(str(x) for x in first.get("loc", ())) or "body"
         raise InvalidArgument(f"{param}: {first.get('msg')}") from None
-    if hasattr(body, "n"):  # again: pydantic may have read "200" as 200
-        limits.check("max_n", body.n, "n")
+    n = getattr(body, "n", None)
+    if n is not None:  # again: pydantic may have read "200" as 200
+        limits.check("max_n", n, "n")
     return body
 
 
-async def read_body(intake, request, kind: type[BaseModel]) -> BaseModel:
+async def read_body(intake, request, kind: type[Body]) -> Body:
     """A route's body as `kind` (parse_body), its chunks parsed on the intake's parse
     threads in its caller's turn, never on the event loop."""
     chunks = [chunk async for chunk in request.stream() if chunk]
@@ -137,13 +136,11 @@ def _fits(where: str, ids: int, max_model_len: int | None, more: bool = False) -
 
 
 def _check(limits: Limits, limit: str, got: int, where: str, more: bool = False) -> None:
-    """`limits.check`, or the engine's fixed bound on choices or bad_words."""
+    """`limits.check`, or the engine's fixed bound on choices."""
     if limit == CHOICES:
         check_bound(where, got, constraint_limits.MAX_CHOICES, "choices", more)
     elif limit == PROMPT_IDS:
         pass  # in all, they count against max_prompt_token_ids once parsed
-    elif limit == BAD_WORDS:
-        check_bound(where, got, BAD_WORDS_CEILING, "words", more)
     else:
         limits.check(limit, got, where, more)
 
@@ -181,7 +178,7 @@ class _CountingDecoder(json.JSONDecoder):
         is an array with a `limit`, counted against it); `segment()` names the value
         (its key, or None in an array) in `path` while it is parsed."""
         items = 0
-        where = "prompt" if limit == PROMPT_IDS else ".".join(self.path) if limit else ""
+        where = "prompt" if limit == PROMPT_IDS else ".".join(map(str, self.path)) if limit else ""
 
         def scan(string, idx):
             nonlocal items, limit
@@ -264,23 +261,10 @@ def check_counts(data: dict, limits: Limits, max_model_len: int | None = None) -
     if isinstance(messages, list):
         check("max_messages", len(messages), "messages")
         check("max_prompt_chars", sum(map(_content_chars, messages)), "messages")
-    stop = data.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if isinstance(stop, list):
-        check("max_stop", len(stop), "stop")
-        check("max_stop_chars", max((len(s) for s in stop if isinstance(s, str)), default=0),
-              "stop")
-    if isinstance(data.get("logit_bias"), dict):
-        check_bound("logit_bias", len(data["logit_bias"]), LOGIT_BIAS_CEILING, "entries")
-    words = data.get("bad_words")
-    if isinstance(words, list):
-        _check(limits, BAD_WORDS, len(words), "bad_words")
-        check_bound("bad_words", max((len(w) for w in words if isinstance(w, str)),
-                                     default=0), BAD_WORD_CHARS_CEILING, "characters a word")
-    for name, limit in (("stop_token_ids", "max_stop_token_ids"),
-                        ("cache_salt", "max_cache_salt_chars"), ("user", "max_user_chars")):
-        if isinstance(data.get(name), (list, str)):
-            check(limit, len(data[name]), name)
+    for row in TABLE:  # every bounded key of a body
+        value = data.get(row.body) if row.body else None
+        if isinstance(value, (list, str, dict)):
+            check(row.name, count(row, value), row.body)
     outputs = data.get("structured_outputs")
     for where, choices in (("guided_choice", data.get("guided_choice")),
                            ("structured_outputs.choice",

@@ -31,13 +31,15 @@ def _invalid(message: str, param: str | None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-async def _on_invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+async def _on_invalid(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, RequestValidationError)  # install() registers it for that alone
     first = e.errors()[0] if e.errors() else {}
     param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     return _invalid(f"{param or 'the body'}: {first.get('msg')}", param)
 
 
-async def _on_http(request: Request, e: HTTPException) -> JSONResponse:
+async def _on_http(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, HTTPException)  # install() registers it for that alone
     where = f"{request.method} {request.url.path}"
     message = {404: f"Invalid URL ({where})",
                405: f"Method not allowed ({where})"}.get(e.status_code, str(e.detail))

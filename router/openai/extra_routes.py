@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import uuid
+from typing import TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from baton.router.lora.routes import lora_of_model, not_found
 from baton.router.openai.body import read_body
 from baton.router.openai.chat_fields import Tool
-from baton.router.openai.lora_routes import lora_of_model, not_found
 from baton.router.openai.protocol import ChatMessage, chat_of
 from baton.router.openai.render import error_body
 from baton.services.common.limits import ROUTER_ID_CHARS, Limits
@@ -129,7 +130,7 @@ class TokenizeBody(BaseModel):
                                   f"supported with {'messages' if chat else 'a prompt'}")
         if not self.add_generation_prompt:
             raise InvalidArgument("add_generation_prompt: only true is supported")
-        if not chat:
+        if self.messages is None:
             for name in ("tools", "chat_template_kwargs"):
                 if getattr(self, name) is not None:
                     raise InvalidArgument(f"{name}: only with messages, not a prompt")
@@ -144,6 +145,9 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
+
+Named = TypeVar("Named", TokenizeBody, DetokenizeBody)  # the bodies that name a model
+
 def install(app: FastAPI, router, api_error_class: type[Exception], api_error) -> None:
     """The routes, and the request ids around everything (call after every other
     middleware is added). `api_error(e, chat)` turns an exception into the app's error
@@ -154,7 +158,7 @@ def install(app: FastAPI, router, api_error_class: type[Exception], api_error) -
     def error(e: Exception, chat: bool = False) -> Exception:
         return e if isinstance(e, api_error_class) else api_error(e, chat)
 
-    async def body_of(request: Request, kind: type[BaseModel]):
+    async def body_of(request: Request, kind: type[Named]) -> Named:
         body = await read_body(intake, request, kind)
         if body.model is not None and lora_of_model(router, body.model) is None:
             raise api_error_class(*not_found(body.model))  # (adapters share the tokenizer)

@@ -8,6 +8,7 @@ wire's message)."""
 from __future__ import annotations
 
 import uuid
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,7 +24,7 @@ from baton.router.openai.chat_fields import (
 from baton.router.openai.structured import structured_output
 from baton.services.common.errors import shown
 from baton.services.common.limits import Limits, OverLimit
-from baton.services.common.sampling_params import StructuredOutput
+from baton.services.common.sampling_params import DEFAULTS, StructuredOutput
 from baton.services.rpc.convert import sampling_message
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
@@ -138,8 +139,8 @@ class Common(BaseModel):
     def check_answer(self, requests: list[gen.GenerateRequest], limits: Limits) -> None:
         """The tokens and logprobs the answer may hold, reckoned as vLLM's users would
         (each prompt's n x max_tokens x (1 + top_logprobs); max_tokens unset in a chat is
-        the whole context), against --max-answer-tokens: refused before anything runs,
-        naming the fields."""
+        the model's max_new_tokens, else the whole context), against --max-answer-tokens:
+        refused before anything runs, naming the fields."""
         if not requests:
             return
         s = requests[0].sampling  # every choice's is the same, but for its seed
@@ -191,7 +192,10 @@ class ChatRequest(Common):
         most = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         return most, "top_logprobs"
 
-    def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
+    def requests(self, max_model_len: int, defaults: dict | None = None
+                 ) -> list[gen.GenerateRequest]:
+        """One request per choice; `defaults`: the model's defaults of unset sampling
+        values (Intake.sampling_defaults)."""
         self.refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidArgument("top_logprobs: needs logprobs: true")
@@ -200,8 +204,10 @@ class ChatRequest(Common):
                 **tool_choice_of(self.tool_choice)}
         if self.parallel_tool_calls is not None:
             chat["parallel_tool_calls"] = self.parallel_tool_calls
-        # Unset: until the context is full, as OpenAI and vLLM read it.
-        max_tokens = self.max_completion_tokens or self.max_tokens or max_model_len
+        # Unset: the model's default (generation_config.json's max_new_tokens), else until
+        # the context is full, as vLLM reads it.
+        max_tokens = (self.max_completion_tokens or self.max_tokens
+                      or (defaults or {}).get("max_tokens") or max_model_len)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.choices([chat], max_tokens, logprobs)
 
@@ -217,7 +223,10 @@ class CompletionRequest(Common):
         p = self.prompt
         return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
 
-    def requests(self, max_model_len: int) -> list[gen.GenerateRequest]:
+    def requests(self, max_model_len: int, defaults: dict | None = None
+                 ) -> list[gen.GenerateRequest]:
+        """One request per prompt and choice. Unset, max_tokens is 16 whatever the
+        model's defaults say, as in vLLM (its completions' own default)."""
         self.refuse_unsupported()
         if self.echo and self.logprobs is not None:
             raise InvalidArgument("echo: not supported with logprobs (the prompt's "
@@ -230,14 +239,14 @@ class CompletionRequest(Common):
         if isinstance(p, str):
             prompts = [{"text": p}]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [{"token_ids": gen.TokenIds(ids=p)}]
+            prompts = [{"token_ids": gen.TokenIds(ids=cast(list[int], p))}]
         elif p and all(isinstance(x, str) for x in p):
             prompts = [{"text": x} for x in p]
         elif p and all(isinstance(x, list) for x in p):
-            prompts = [{"token_ids": gen.TokenIds(ids=x)} for x in p]
+            prompts = [{"token_ids": gen.TokenIds(ids=cast(list[int], x))} for x in p]
         else:
             raise InvalidArgument("prompt: empty")
-        return self.choices(prompts, self.max_tokens or 16, self.logprobs)
+        return self.choices(prompts, self.max_tokens or DEFAULTS["max_tokens"], self.logprobs)
 
     def echo_texts(self, decode) -> list[str]:
         """With echo, what each request's text starts with: its prompt (token ids through

@@ -251,8 +251,9 @@ class Renderer:
         part written before the next is made)."""
         if not entries:
             return ["null"]
-        parts = (self.logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS], want_top)
-                 for i in range(0, len(entries), ROWS))
+        parts = (p for i in range(0, len(entries), ROWS)  # (no part is empty: each a dict)
+                 if (p := self.logprobs(entries[i:i + ROWS], token_ids[i:i + ROWS],
+                                        want_top)) is not None)
         if self.chat:
             return ['{"content":[', _items(_dumps(p["content"]) for p in parts), "]}"]
         names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
@@ -285,7 +286,7 @@ class Renderer:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, choices: list[Choice], n: int) -> dict:
+    def usage_chunk(self, choices: list[Choice] | list[Tally], n: int) -> dict:
         body = self._head(chunk=True)
         body["choices"] = []
         body["usage"] = usage(choices, n)

@@ -40,7 +40,8 @@ HEADER_BYTES = 64 * 1024
 KEEP_ALIVE_S = 5  # uvicorn's default
 LINGER_S = 2.0
 # h11's states of a client (the h11 uvicorn runs): between requests, sending a body
-IDLE, SEND_BODY = h11_impl.h11.IDLE, h11_impl.h11.SEND_BODY
+h11 = h11_impl.h11  # pyright: ignore[reportPrivateImportUsage] - the one uvicorn imports
+IDLE, SEND_BODY = h11.IDLE, h11.SEND_BODY
 
 
 def _raw_error(status: int, reason: str, code: grpc.StatusCode, message: str) -> bytes:

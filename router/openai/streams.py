@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from typing import cast
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
@@ -45,4 +46,6 @@ class EventStream(StreamingResponse):
             log.warning("a client read nothing of its stream for %g s "
                         "(--stream-stall-timeout): the stream is cut and its request "
                         "aborted", self.stall_s)
-            await self.body_iterator.aclose()  # ends the run: every choice, everywhere
+            # Ours is an async generator (app.py): closed, it ends the run, every choice,
+            # everywhere.
+            await cast(AsyncGenerator, self.body_iterator).aclose()

@@ -7,6 +7,7 @@ schema 100 levels deep, minutes at 500)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 MAX_CONSTRAINT_CHARS = 65_536  # a JSON schema's text, a regex, a grammar, all choices
 MAX_CONSTRAINT_DEPTH = 64  # JSON levels of a schema; nested groups of a regex or grammar
@@ -18,7 +19,7 @@ _REGEX_TOKENS = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|[()]", re.S)
 _GRAMMAR_TOKENS = re.compile(r'\\.|"(?:[^"\\]|\\.)*"|\[(?:\\.|[^\]\\])*\]|[()]', re.S)
 
 
-def check(kind: str, spec: str, choices: tuple[str, ...]) -> None:
+def check(kind: str, spec: str, choices: Sequence[str]) -> None:
     """ValueError naming the bound a constraint goes past; nothing if it keeps them all."""
     if kind == "choice":
         if len(choices) > MAX_CHOICES:

@@ -29,6 +29,7 @@ import re
 import secrets
 import threading
 import weakref
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -83,8 +84,9 @@ class PlainContent:
             return any(self.spelled(v) for v in value)
         return False
 
-    def marked(self, value):
+    def marked(self, value: Any) -> Any:  # JSON-like: strings, lists, dicts, as given
         """`value` with every special token its strings spell as a content marker."""
+        assert self.pattern is not None  # called once spelled() has found a special
         if isinstance(value, str):
             return self.pattern.sub(lambda m: f"{_NONCE}c{self.index[m[0]]}z", value)
         if isinstance(value, dict):
@@ -99,6 +101,7 @@ class PlainContent:
             raise ValueError("chat: a message spells a special token of a tokenizer this "
                              "server cannot keep it plain in (start with "
                              "--allow-special-tokens-in-content to read it as one)")
+        assert self.pattern is not None  # called once spelled() has found a special
         text = self.pattern.sub(lambda m: f"{_NONCE}t{self.index[m[0]]}z", rendered)
         text = self.content_marker.sub(lambda m: self.specials[int(m[1])], text)
         ids = self._encoder(tok).encode(text, add_special_tokens=False).ids
@@ -110,7 +113,9 @@ class PlainContent:
             if self._copy is None:
                 from tokenizers import AddedToken, Tokenizer
 
-                copy = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+                # A fast tokenizer's (encode() checked is_fast): tokenizers' Tokenizer.
+                backend = cast(Tokenizer, tok.backend_tokenizer)
+                copy = Tokenizer.from_str(backend.to_str())
                 copy.no_truncation()
                 copy.no_padding()
                 copy.encode_special_tokens = True
@@ -119,7 +124,11 @@ class PlainContent:
                 copy.add_tokens([AddedToken(m, single_word=t.single_word, lstrip=t.lstrip,
                                             rstrip=t.rstrip, normalized=t.normalized,
                                             special=False) for m, _, t in markers])
-                self._to_special = {copy.token_to_id(m): i for m, i, _ in markers}
+                for m, i, _ in markers:
+                    marker_id = copy.token_to_id(m)
+                    if marker_id is None:  # add_tokens above has added every one
+                        raise RuntimeError(f"chat: the tokenizer's copy lost marker {m!r}")
+                    self._to_special[marker_id] = i
                 self._copy = copy
             return self._copy
 

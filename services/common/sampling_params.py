@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton.services.common import constraint_limits
 from baton.services.common.errors import shown
-from baton.services.common.limits import (
-    BAD_WORD_CHARS_CEILING,
-    BAD_WORDS_CEILING,
-    LOGIT_BIAS_CEILING,
-    STOP_CEILING,
-    STOP_CHARS_CEILING,
-    STOP_TOKEN_IDS_CEILING,
-    check_ceiling,
-)
+from baton.services.common.limits import check_ceilings
 
 _EPS = 1e-5
 
@@ -40,8 +33,9 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
-    choices: tuple[str, ...] = ()
-    start_after: tuple[int, ...] = ()
+    # Any sequence (a wire message's list is taken as it is); a tuple once made.
+    choices: Sequence[str] = ()
+    start_after: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         # Counted before a tuple is built of them (a wire message's lists are taken as
@@ -126,21 +120,13 @@ class SamplingParams:
                 object.__setattr__(self, name, (getattr(self, name),))
         # Counted first, before a tuple is built of them (a wire message's lists are taken
         # as they are): every later check (and the engine's stop matcher) is per item.
-        check_ceiling("stop", len(self.stop), STOP_CEILING, "strings")
-        check_ceiling("stop_token_ids", len(self.stop_token_ids), STOP_TOKEN_IDS_CEILING,
-                      "ids")
-        check_ceiling("logit_bias", len(self.logit_bias), LOGIT_BIAS_CEILING, "entries")
-        check_ceiling("bad_words", len(self.bad_words), BAD_WORDS_CEILING, "words")
+        check_ceilings("sampling", self)
         # Stored as tuples, so the object stays hashable and frozen.
         for name in ("stop", "bad_words", "stop_token_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         bias = self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(
             bias.items() if isinstance(bias, Mapping) else bias))
-        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
-        check_ceiling("stop strings", longest, STOP_CHARS_CEILING, "characters")
-        longest = max((len(w) for w in self.bad_words if isinstance(w, str)), default=0)
-        check_ceiling("bad_words", longest, BAD_WORD_CHARS_CEILING, "characters a word")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got "
                              f"{shown(self.max_tokens)}")
@@ -224,3 +210,9 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# The value of each field a request leaves unset (and the model's generation_config.json
+# does not set), spelled once: on SamplingParams' fields above. The proto's comments say
+# them in prose (a test compares); vLLM's completions default max_tokens is the same 16.
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}

@@ -18,7 +18,9 @@ transformers passes them; `--chat-template` (`read_chat_template`) replaces the 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -95,14 +97,15 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict],
     if plain is not None:
         messages, tools, kwargs = plain.marked([messages, tools, kwargs])
     try:
-        out = tok.apply_chat_template(messages, tools=tools or None,
+        out = tok.apply_chat_template(messages, tools=[*tools] if tools else None,
                                       add_generation_prompt=True,
                                       tokenize=plain is None, **kwargs)
     except Exception as e:  # jinja's TemplateError, raise_exception() in a template
         raise ValueError(f"chat: the model's template refused the messages: {e}") from e
     if plain is not None:
-        return plain.encode(tok, out)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return plain.encode(tok, cast(str, out))  # tokenize=False: the text
+    # Token ids, or (transformers 5) a BatchEncoding holding them.
+    return list(cast(list[int], out["input_ids"] if isinstance(out, Mapping) else out))
 
 
 class Tokenizer:

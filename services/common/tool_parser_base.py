@@ -157,9 +157,10 @@ class _Skip(Body):
         self.end_tag = end_tag
 
     def _step(self) -> int | None:
-        i = self.buf.find(self.end_tag) if self.end_tag else -1
-        if i >= 0:
-            return self.at + i + len(self.end_tag)
+        end = self.end_tag
+        i = self.buf.find(end) if end else -1
+        if end and i >= 0:
+            return self.at + i + len(end)
         if self.final:
             return self.at + len(self.buf)
         keep = len(self.end_tag) - 1 if self.end_tag else 0  # a partial end tag
@@ -282,6 +283,7 @@ class ToolParser:
     def _send(self, deltas: list[ToolCallDelta], complete_only: bool) -> None:
         """Deltas for the open region's calls: new argument text of those sent, and the
         first delta of each next one that may go out now."""
+        assert self._body is not None  # a region is open
         for k, call in enumerate(self._body.calls):
             if k < len(self._sent):
                 if len(call.args) > self._sent[k]:
@@ -301,6 +303,7 @@ class ToolParser:
                deltas: list[ToolCallDelta]) -> None:
         kind, at = status
         body, self._body = self._body, None
+        assert body is not None  # a region was open
         raw = "".join(self._raw)
         if isinstance(body, _Skip):
             self._pending = raw[at:] + self._pending

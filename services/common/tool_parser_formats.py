@@ -82,6 +82,7 @@ class Envelope(Call):
 
     def _value_done(self, i: int) -> None:
         value, self._value = self._value, None
+        assert value is not None  # the value that has just ended
         if self._key == "?":  # a key has been read
             key = json.loads(value.out)
             allowed = ("name", *self._args_keys, *self._extra)
@@ -200,9 +201,14 @@ class _MistralBody(Body):
     def __init__(self, names: dict[str, dict]):
         super().__init__(names)
         self.state = "start"
-        self.call = None
+        self.call: Call | None = None
         self.args: JsonStream | None = None
         self.had_id = False
+
+    @property
+    def _call(self) -> Call:
+        assert self.call is not None, "every state but start reads an open call"
+        return self.call
 
     def _envelope(self) -> Envelope:
         self.call = Envelope(self, ("arguments",), ("id",))
@@ -231,7 +237,7 @@ class _MistralBody(Body):
             elif state in ("list_call", "one"):
                 if not self.json(self.call):
                     return None
-                self.call.complete, self.checkpoint = True, self.at
+                self._call.complete, self.checkpoint = True, self.at
                 if state == "one":
                     return self.at
                 self.state = "list_sep"
@@ -245,7 +251,8 @@ class _MistralBody(Body):
                 self.state = "list"
             elif state in ("name", "call_id"):
                 pattern = _NAME_CHARS if state == "name" else _ID_CHARS
-                n = pattern.match(self.buf).end()
+                m = pattern.match(self.buf)  # `*`: it always matches, perhaps empty
+                n = m.end() if m else 0
                 if n > MAX_NAME or (n == len(self.buf) and self.final):
                     raise Bad(self.at + n)
                 if n == len(self.buf):
@@ -265,8 +272,8 @@ class _MistralBody(Body):
                 if tag == "[CALL_ID]":  # Mistral's own id for the call: ours replaces it
                     self.had_id, self.state = True, "call_id"
                 else:
-                    self.call.ready = True
-                    self.calls.append(self.call)
+                    self._call.ready = True
+                    self.calls.append(self._call)
                     self.state = "args"
             else:  # args: one JSON object
                 if self.args is None:
@@ -276,10 +283,10 @@ class _MistralBody(Body):
                         raise Bad(self.at)
                     self.args = JsonStream()
                 done = self.json(self.args)
-                self.call.args = self.args.out
+                self._call.args = self.args.out
                 if not done:
                     return None
-                self.call.complete, self.checkpoint = True, self.at
+                self._call.complete, self.checkpoint = True, self.at
                 return self.at
 
 

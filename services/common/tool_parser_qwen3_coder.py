@@ -80,6 +80,11 @@ class _Qwen3CoderBody(Body):
         self.sent = 0  # value characters sent (string values stream)
         self.searched = 0  # value characters searched for its end
 
+    @property
+    def _call(self) -> Call:
+        assert self.call is not None, "every state after the name reads an open call"
+        return self.call
+
     def _tag_name(self, tag: str) -> str | None:
         """NAME of a `<tag=NAME>` at buf's start (consumed); None while it may still come."""
         if not self.buf.startswith(tag):
@@ -119,7 +124,7 @@ class _Qwen3CoderBody(Body):
                         _FUNC_END.startswith(self.buf) and not _PARAM.startswith(self.buf)):
                     if not self.literal(_FUNC_END):
                         return None
-                    self.call.args += "}"
+                    self._call.args += "}"
                     self.state = "close"
                     continue
                 name = self._tag_name(_PARAM)
@@ -128,10 +133,10 @@ class _Qwen3CoderBody(Body):
                 if name in self.params:
                     raise Bad(self.at)
                 self.kinds = _param_types(self.schema, name)
-                self.call.args += ("," if self.params else "") + dump(name) + ":"
+                self._call.args += ("," if self.params else "") + dump(name) + ":"
                 self.params.add(name)
                 if self.kinds == ("string",):
-                    self.call.args += '"'
+                    self._call.args += '"'
                 self.sent = self.searched = 0
                 self.state = "value"
             elif state == "value":
@@ -148,7 +153,7 @@ class _Qwen3CoderBody(Body):
                 raise Bad(self.at)
 
     def _done(self, at: int) -> int:
-        self.call.complete, self.checkpoint = True, at
+        self._call.complete, self.checkpoint = True, at
         return at
 
     def _value(self) -> bool:
@@ -163,9 +168,9 @@ class _Qwen3CoderBody(Body):
             lo = 1 if text.startswith("\n") else 0
             hi = len(text) - 1 if len(text) > lo and text.endswith("\n") else len(text)
             if streams:
-                self.call.args += escape(text[max(self.sent, lo):hi]) + '"'
+                self._call.args += escape(text[max(self.sent, lo):hi]) + '"'
             else:
-                self.call.args += dump(_convert(text[lo:hi], self.kinds))
+                self._call.args += dump(_convert(text[lo:hi], self.kinds))
             self.take(i + (len(tag) if tag == _PARAM_END else 0))
             return True
         if self.final:
@@ -179,7 +184,7 @@ class _Qwen3CoderBody(Body):
                 lo = 1 if text.startswith("\n") else 0
                 hi = len(text) - 1 if len(text) > lo and text.endswith("\n") else len(text)
                 if hi > max(self.sent, lo):
-                    self.call.args += escape(text[max(self.sent, lo):hi])
+                    self._call.args += escape(text[max(self.sent, lo):hi])
                     self.sent = hi
         return False
 

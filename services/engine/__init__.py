@@ -6,6 +6,15 @@ first use, so that `baton.services.engine.config` (torch-free) imports without t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what __getattr__ below loads, as checkers and editors see it
+    from baton.services.common.sampling_params import SamplingParams
+    from baton.services.engine.config import EngineConfig
+    from baton.services.engine.engine import LLMEngine
+    from baton.services.engine.llm import LLM
+    from baton.services.engine.outputs import RequestOutput
+
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 

@@ -10,11 +10,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from baton.kv_transfer.base import KVLayout
 from baton.services.common import model_source
+from baton.services.common.generation_config import read_generation_config
 from baton.services.common.tokenizer import load_tokenizer, read_chat_template
 from baton.services.engine.config import EngineConfig
-from baton.services.engine.generation_config import read_generation_config
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
 from baton.services.engine.model_config import ModelConfig
 from baton.services.engine.model_runner import ModelRunner
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 class Built:
     config: EngineConfig  # its dtype resolved against the checkpoint's
     model_name: str  # the same on every host
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     model_config: ModelConfig  # its EOS ids joined with generation_config's
     sampling_defaults: dict
     runner: ModelRunner  # its KV cache allocated

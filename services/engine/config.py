@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.services.common.lora_names import parse_lora_module
+from baton.services.lora.names import parse_lora_module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -75,14 +75,14 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_threads: int = 2  # the compiler's own threads
     grammar_compile_queue: int = 16  # compiles queued or running; past it, RESOURCE_EXHAUSTED
-    # LoRA (services/engine/lora.py): adapters in one step at most (device slots), their
+    # LoRA (services/lora/adapter.py): adapters in one step at most (device slots), their
     # largest rank, and how many the host keeps loaded (None: 4 * max_loras).
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[str, ...] = ()  # "name=path" (or vLLM's JSON form), loaded at start
-    # Where the adapter paths callers send must lie (services/common/lora_paths.py); None:
+    # Where the adapter paths callers send must lie (services/lora/paths.py); None:
     # anywhere the router accepted (a router takes none at run time without its own root).
     lora_root: str | None = None
 

@@ -11,6 +11,8 @@ Until more than `min_tokens` tokens are out, a stop string that completes is pas
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 from baton.services.engine.stop_matcher import StopMatcher
@@ -74,7 +76,8 @@ class IncrementalDetokenizer:
         return self._take(len(self._text))
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        text = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return cast(str, text)  # one sequence of ids: one string
 
     def _decode_new(self, final: bool) -> str:
         """Text of the tokens past `_read_offset`; "" while it ends mid-character."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver
 from baton.services.common.kv_events import KvEventLog
-from baton.services.common.limits import CACHE_SALT_CEILING, REQUEST_ID_CEILING, check_ceiling
+from baton.services.common.limits import check_ceilings
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.common.tokenizer import (
     apply_chat_template,
@@ -29,14 +29,14 @@ from baton.services.engine.config import EngineConfig
 from baton.services.engine.detokenizer import IncrementalDetokenizer
 from baton.services.engine.grammar_compiler import GrammarCompiler
 from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.lora import LoRARequest
-from baton.services.engine.loras import EngineLoras
 from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from baton.services.engine.request import Request, RequestStatus
 from baton.services.engine.request_output import request_output
 from baton.services.engine.sampler import bad_words_ids
 from baton.services.engine.scheduler import Scheduler
 from baton.services.engine.spec_decode import NgramProposer
+from baton.services.lora.adapter import LoRARequest
+from baton.services.lora.registry import EngineLoras
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +169,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if request_id is not None:
-            check_ceiling("request_id", len(request_id), REQUEST_ID_CEILING, "characters")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        check_ceiling("cache_salt", len(cache_salt or ""), CACHE_SALT_CEILING, "characters")
+        check_ceilings("", {"request_id": request_id or "", "cache_salt": cache_salt or ""})
         token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -238,7 +236,7 @@ class LLMEngine:
                 log.exception("abort of %s failed", rid)
         self.reset_prefix_cache()
 
-    # ---- LoRA adapters (loras.py) -----------------------------------------------------
+    # ---- LoRA adapters (services/lora/registry.py) ------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
         """Read and check a PEFT directory now; ValueError says why it cannot serve."""

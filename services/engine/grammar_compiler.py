@@ -22,10 +22,14 @@ import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
+from typing import TYPE_CHECKING
 
 from baton.services.common.capacity import AtCapacity
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.engine.structured_output import GrammarState
+
+if TYPE_CHECKING:  # xgrammar itself is imported on first use
+    from xgrammar import CompiledGrammar
 
 CACHE_SIZE = 64  # compiled grammars kept, least recently used first out
 
@@ -46,17 +50,17 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the cache, the pending compiles, the threads
         self._init_lock = threading.Lock()  # xgrammar's compiler, made on first use
         self._compiler = None
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._pending: dict[tuple, Future] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
 
-    def cached(self, constraint: StructuredOutput):
+    def cached(self, constraint: StructuredOutput) -> CompiledGrammar | None:
         """The compiled grammar if the cache holds it, else None; never compiles."""
         with self._lock:
             return self._hit(constraint.key)
 
-    def _hit(self, key: tuple):
+    def _hit(self, key: tuple) -> CompiledGrammar | None:
         """The cached grammar, now the most recently used, or None (under the lock)."""
         hit = self._cache.get(key)
         if hit is not None:
@@ -94,7 +98,8 @@ class GrammarCompiler:
         problem if it cannot compile in time, AtCapacity if the queue is full."""
         return self.submit(constraint).result()
 
-    def matcher(self, constraint: StructuredOutput, compiled=None) -> GrammarState:
+    def matcher(self, constraint: StructuredOutput,
+                compiled: CompiledGrammar | None = None) -> GrammarState:
         """A request's own matcher (cheap), over `compiled` or else the cached grammar:
         the engine thread calls this, so it never compiles (ValueError instead)."""
         import xgrammar as xgr

@@ -125,6 +125,7 @@ class RemoteKVLoader:
                 self.num_failures += 1
                 self.kv.free(req)
             else:
+                assert req.remote is not None  # a request loading KV has its handle
                 req.num_computed_tokens = req.remote.num_tokens
                 self.kv.publish(req, req.num_computed_tokens)
             landed.append((req, error))

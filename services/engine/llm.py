@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.engine import LLMEngine, ReceiverFactory
-from baton.services.engine.lora import LoRARequest
 from baton.services.engine.outputs import RequestOutput
+from baton.services.lora.adapter import LoRARequest
 
 
 class LLM:
@@ -23,7 +24,7 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | Sequence[str | None] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -33,23 +34,27 @@ class LLM:
         Every prompt is validated before any is queued, so bad input queues nothing.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (vLLM's).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        batch: list[str | list[int]]
+        if isinstance(prompts, str):
+            batch = [prompts]
+        elif prompts and isinstance(prompts[0], int):  # one prompt of token ids
+            batch = [list(cast(list[int], prompts))]
+        else:
+            batch = list(cast(Sequence[str | list[int]], prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(batch)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        salts = _per_prompt(cache_salt, str, len(prompts), "cache salts")
-        loras = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
+            if len(params) != len(batch):
+                raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
+        salts = _per_prompt(cache_salt, str, len(batch), "cache salts")
+        loras = _per_prompt(lora_request, LoRARequest, len(batch), "LoRA requests")
         # Constraints compile here, before anything is queued (never inside step()).
         constraints = [getattr(p, "structured", None) for p in params]
         grammars = [c if c is None else self.engine.grammars.compile(c) for c in constraints]
         ids = []
         try:
-            for prompt, p, salt, g, lora in zip(prompts, params, salts, grammars, loras,
+            for prompt, p, salt, g, lora in zip(batch, params, salts, grammars, loras,
                                                 strict=True):
                 ids.append(self.engine.add_request(prompt, p, cache_salt=salt, grammar=g,
                                                    lora=lora))
@@ -71,7 +76,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults, overridden by the model's generation_config.json
-        (see services/engine/generation_config.py)."""
+        (see services/common/generation_config.py)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
     def reset_prefix_cache(self) -> int:

@@ -25,7 +25,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
 
 
-def unsupported_architecture(arch: str) -> ValueError:
+def unsupported_architecture(arch: object) -> ValueError:
     return ValueError(f"unsupported architecture {arch!r}; Baton serves "
                       f"{', '.join(sorted(ARCHITECTURES))}")
 
@@ -100,9 +100,10 @@ class ModelConfig:
         arch = (getattr(cfg, "architectures", None) or [None])[0]
         arch = arch or {f: a for a, f in ARCHITECTURES.items()}.get(
             cfg.model_type.removesuffix("_text"), cfg.model_type)
-        family = ARCHITECTURES.get(arch)
+        family = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
         if family is None:
             raise unsupported_architecture(arch)
+        assert isinstance(arch, str)  # ARCHITECTURES has it
         get = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
         layers = cfg.num_hidden_layers
         rope, sliding_rope = _ropes(cfg)
@@ -269,7 +270,7 @@ def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
-def _activation(name: str) -> str:
+def _activation(name: object) -> str:
     if name == "silu":
         return "silu"
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):

@@ -17,7 +17,6 @@ from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.cuda_graphs import CudaGraphRunner
-from baton.services.engine.lora_slots import LayerLora, LoraSlots
 from baton.services.engine.model_config import ModelConfig
 from baton.services.engine.models import model_class
 from baton.services.engine.outputs import SampledTokens
@@ -25,6 +24,7 @@ from baton.services.engine.request import Request
 from baton.services.engine.sampler import Sampler, SamplingRow, to_device
 from baton.services.engine.scheduler import SchedulerOutput
 from baton.services.engine.structured_output import BatchMask
+from baton.services.lora.slots import LayerLora, LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ModelRunner:
             self.lora = LoraSlots(model_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or 4 * config.max_loras, self.dtype,
                                   self.device)
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.model.decoder_layers):
                 layer.self_attn.lora = layer.mlp.lora = LayerLora(self.lora, i)
         # This engine's weights on the device (other engines in the process not counted).
         self.weight_bytes = torch.cuda.memory_allocated(self.device) - before if cuda else 0

@@ -11,6 +11,8 @@ from baton.kv_transfer.base import KVHandle
 from baton.services.common.block_hash import extra_keys
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.ngram_index import NgramIndex
+from baton.services.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -64,9 +66,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] = []
-        # The LoRA adapter it runs, as the engine binds it (loras.py: the adapter's name,
-        # or with new weights under that name, the name and their fingerprint); None: the
-        # base model.
+        # The LoRA adapter it runs, as the engine binds it (services/lora/registry.py: the
+        # adapter's name, or with new weights under that name, the name and their
+        # fingerprint); None: the base model.
         self.lora_name = lora_name or None
         self.lora_blocked_since: float | None = None  # first refused for max_loras (scheduler)
         # Prefix cache: requests with different salts, or different adapters, never share
@@ -83,12 +85,12 @@ class Request:
         self.error: str | None = None  # why an aborted request failed, if it did
         # Structured output: the matcher of its constraint (services/engine/
         # structured_output.py), in the state the output so far leaves it.
-        self.grammar = None
+        self.grammar: GrammarState | None = None
         # Speculative decoding: draft tokens to verify in the next step (never part of
         # token_ids: only those the target model accepts are appended), and the n-gram
         # index over token_ids that proposes them.
         self.spec_token_ids: list[int] = []
-        self.ngram_index = None
+        self.ngram_index: NgramIndex | None = None
         # Timings (monotonic seconds): first scheduled, first token, remote KV load.
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -149,7 +149,7 @@ class Scheduler:
         self._land_loads(out)
         # Remote requests at the head of the queue start their pulls first, and the step
         # waits a moment for them: a pull that lands at once decodes in this very step.
-        if self._admit_waiting(out, budget=0, remote_only=True)[1]:
+        if self._admit_waiting(out, budget=0, remote_only=True)[1] and self.loader:
             self.loader.wait(LOAD_WAIT_S)
             self._land_loads(out)
         budget = self.max_num_batched_tokens
@@ -217,6 +217,7 @@ class Scheduler:
                     passed.append(self.waiting.pop())
                     continue
                 if req.remote is not None:
+                    assert self.loader is not None  # add_request takes remote KV only then
                     # Keep a block per running request, so a pull does not force the step
                     # that follows to preempt a running request that crosses a block boundary.
                     short = (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
@@ -228,7 +229,8 @@ class Scheduler:
                     if req.scheduled_time is None:
                         req.scheduled_time = time.monotonic()
                     pulls += 1
-                    live.add(req.lora_name)
+                    if req.lora_name is not None:
+                        live.add(req.lora_name)
                     continue
                 if remote_only or budget <= 0:
                     break
@@ -247,7 +249,8 @@ class Scheduler:
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                live.add(req.lora_name)
+                if req.lora_name is not None:
+                    live.add(req.lora_name)
                 scheduled.append((req, n))
                 budget -= n
         finally:
@@ -260,20 +263,20 @@ class Scheduler:
         loading = self.loader.loading.values() if self.loader is not None else ()
         return {r.lora_name for r in (*self.running, *loading) if r.lora_name is not None}
 
-    def _lora_fits(self, req: Request, live: set[str | None]) -> bool:
+    def _lora_fits(self, req: Request, live: set[str]) -> bool:
         """A request's adapter may join: it runs already, or fewer than max_loras do
         (every running request is in every step, so this bounds a step's adapters).
         `live`: _live_loras, kept up to date by the admissions of this step."""
         if req.lora_name is None:
             return True
-        n = len(live) - (None in live)
-        return req.lora_name in live or n < (self.max_loras or 0)
+        return req.lora_name in live or len(live) < (self.max_loras or 0)
 
     def _land_loads(self, out: SchedulerOutput) -> None:
         """Pulls that ended: run the request, or apply the load-failure policy."""
         if self.loader is None:
             return
         for req, error in self.loader.land():
+            assert req.remote is not None  # it was pulling from there
             if error is None:
                 # The KV is ours now: a preemption from here on recomputes it locally.
                 req.remote = None
@@ -372,6 +375,7 @@ class Scheduler:
         loading = req.status == RequestStatus.WAITING_FOR_KV
         req.status = status
         if loading:
+            assert self.loader is not None  # a request loads KV only through it
             self.loader.abandon(req)
         elif status == RequestStatus.PREFILLED:
             req.lease_id = self.leases.grant(req, time.monotonic())

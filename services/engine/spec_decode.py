@@ -10,8 +10,7 @@ own (sampler.py: `verify`). Greedy output is exactly the output without drafts.
     token_ids:  ... a b c d e ... a b c     last n = 3 tokens: "a b c"
                         ^^^^^ follower: d e ...  -> drafts [d, e, ...]
 
-Per request, an index maps each n-gram to the position of the token after its latest
-occurrence; it grows by max_n - min_n + 1 entries per token, so lookup is O(max_n).
+Per request, an index (ngram_index.py) finds the follower in O(max_n).
 
 Speculation pays when a step is bound by fixed costs (weights read, Python, kernel
 launches) rather than by the tokens it computes: at small batches. Above
@@ -22,32 +21,8 @@ nearly k + 1 times as much, and no request drafts (see docs/benchmarks.md, W5).
 from __future__ import annotations
 
 from baton.services.engine.config import SpecConfig
+from baton.services.engine.ngram_index import NgramIndex
 from baton.services.engine.request import Request
-
-
-class NgramIndex:
-    """n-gram -> position of the token after its latest occurrence, for n in [lo, hi]."""
-
-    def __init__(self, lo: int, hi: int):
-        self.lo, self.hi = lo, hi
-        self.follower: dict[tuple[int, ...], int] = {}
-        self.upto = 0  # tokens[:upto] are indexed
-
-    def extend(self, tokens: list[int]) -> None:
-        # The n-gram ending just before position j has the follower j.
-        for j in range(max(self.upto, 1), len(tokens)):
-            for n in range(self.lo, min(self.hi, j) + 1):
-                self.follower[tuple(tokens[j - n:j])] = j
-        self.upto = len(tokens)
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        # The trailing n-gram has no follower yet, so a hit is always an earlier one.
-        self.extend(tokens)
-        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
-            j = self.follower.get(tuple(tokens[-n:]))
-            if j is not None:
-                return tokens[j:j + k]
-        return []
 
 
 class NgramProposer:

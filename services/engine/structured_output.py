@@ -23,6 +23,7 @@ imports it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -34,7 +35,7 @@ class GrammarState:
     constraint is complete (a stop token was accepted). With `start_after`, the matcher
     sees only the tokens after those ids have come in a row."""
 
-    def __init__(self, matcher, start_after: tuple[int, ...] = ()):
+    def __init__(self, matcher, start_after: Sequence[int] = ()):
         self.matcher = matcher
         self.start_after = tuple(start_after)
         self.started = not self.start_after

@@ -3,11 +3,16 @@ workers alike. The sampling seams, one conversion per boundary a request crosses
 
     HTTP body (or a client) -> the wire   `sampling_message`: values to the message
                                           (router/openai/protocol.py, cli/generate.py)
-    the wire -> the router                `sampling_params`: the router's check
+    the wire -> the router                `sampling_params` with the model's defaults
+                                          (as a worker's): the router's check
                                           (router/intake.py), its result dropped
     the wire -> a worker                  `sampling_params` with the model's defaults,
                                           once per Prefill or Decode call: the engine
                                           takes that SamplingParams as it is
+
+The model's defaults are its generation_config.json's (services/common/
+generation_config.py), read by the router and the workers alike; SamplingParams' own
+defaults are spelled on its fields alone (`DEFAULTS`).
 
 The router forwards the message it checked to the prefill and decode workers as it came:
 no dict, no second message.
@@ -15,15 +20,18 @@ no dict, no second message.
 
 from __future__ import annotations
 
+from typing import cast
+
 from baton.services.common.finish import FinishReason
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.v1 import generation_pb2 as gen
 
 # The one mapping between FinishReason and the wire's enum (FINISH_REASON_<NAME>); None is
 # UNSPECIFIED: the request goes on.
-FINISH = {None: gen.FINISH_REASON_UNSPECIFIED} | {
-    r: gen.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
-FINISH_NAME = {v: k for k, v in FINISH.items()}
+FINISH: dict[FinishReason | None, gen.FinishReason] = {None: gen.FINISH_REASON_UNSPECIFIED} | {
+    r: cast(gen.FinishReason, gen.FinishReason.Value(f"FINISH_REASON_{r.name}"))
+    for r in FinishReason}
+FINISH_NAME: dict[int, FinishReason | None] = {v: k for k, v in FINISH.items()}
 
 
 def finish_reason_of(number: int) -> FinishReason | None:
@@ -100,14 +108,16 @@ def structured_of(msg: gen.StructuredOutput) -> StructuredOutput:
 
 
 def structured_message(so: StructuredOutput) -> gen.StructuredOutput:
-    after = {"start_after_token_ids": so.start_after} if so.start_after else {}
+    msg = gen.StructuredOutput(start_after_token_ids=so.start_after)
     if so.kind == "json":
-        return gen.StructuredOutput(json_schema=so.spec, **after)
-    if so.kind == "json_object":
-        return gen.StructuredOutput(json_object=True, **after)
-    if so.kind == "choice":
-        return gen.StructuredOutput(choice=gen.Choices(choices=so.choices), **after)
-    return gen.StructuredOutput(**{so.kind: so.spec}, **after)
+        msg.json_schema = so.spec
+    elif so.kind == "json_object":
+        msg.json_object = True
+    elif so.kind == "choice":
+        msg.choice.choices.extend(so.choices)
+    else:
+        setattr(msg, so.kind, so.spec)  # regex or grammar: the field of that name
+    return msg
 
 
 def logprobs_messages(logprobs: list[dict[int, float]]) -> list[gen.TokenLogprobs]:

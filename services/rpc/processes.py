@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,12 +37,12 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
     (`credentials`: TLS to it)."""
     deadline = time.monotonic() + timeout
     with dial(address, credentials) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        check = _health_check(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the service for {address} exited with {proc.returncode}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                reply = check(health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -53,8 +55,7 @@ def is_serving(address: str, timeout: float = 3.0,
                credentials: grpc.ChannelCredentials | None = None) -> bool:
     with dial(address, credentials) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                              timeout=timeout)
+            reply = _health_check(channel)(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -74,3 +75,10 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 40.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _health_check(channel: grpc.Channel) -> Callable[..., health_pb2.HealthCheckResponse]:
+    """The health service's Check: grpc_health's stub makes its methods in __init__,
+    where a type checker does not see them."""
+    stub: Any = health_pb2_grpc.HealthStub(channel)
+    return stub.Check

@@ -103,7 +103,7 @@ class Security:
     # ---- TLS ---------------------------------------------------------------------------
 
     def server_credentials(self, public: bool) -> grpc.ServerCredentials | None:
-        if self.cert is None:
+        if self.cert is None or self.key is None:  # ServiceConfig: both or neither
             return None
         mutual = self.ca is not None and not public
         return grpc.ssl_server_credentials(

@@ -20,7 +20,7 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import aclosing, asynccontextmanager
 
@@ -42,10 +42,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # gRPC's own backoff grows to two minutes (and every channel of a process to that address
 # shares it), so a worker restarted on its address went unseen, or unpaired, that long.
 RECONNECT_FIRST_MS, RECONNECT_MAX_MS = 250, 1000
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
-                   ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
 DRAIN_POLL_S = 0.05
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
                         health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -172,7 +173,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         deserializer = None if offload else load
 
         @asynccontextmanager
-        async def guarded(context, request):
+        async def guarded(context, request) -> AsyncIterator[object]:
             if state.authorize is not None:
                 refused = state.authorize(method, context.invocation_metadata())
                 if refused:

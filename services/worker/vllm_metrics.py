@@ -81,12 +81,13 @@ class _Request:
     def output(self, out: RequestOutput) -> None:
         m, model = self.m, self.m.model
         now, n = time.monotonic(), len(out.new_token_ids)
-        if n and self.last is None:
+        last = self.last
+        if n and last is None:
             m.first_token(model, now - self.arrival, out.queue_time, out.prefill_time)
-        elif n:
-            m.tokens(model, n, now - self.last)
+        elif n and last is not None:
+            m.tokens(model, n, now - last)
         if n:
             self.last = now
-        if out.finished and not out.engine_failed:
+        if out.finished and not out.engine_failed and out.finish_reason is not None:
             m.finished(model, out.finish_reason, now - self.arrival,
                        len(out.prompt_token_ids), len(out.token_ids))

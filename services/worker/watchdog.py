@@ -27,7 +27,7 @@ async def watch(aengine: AsyncEngine, lifecycle: Lifecycle) -> None:
         if (since is not None) == stalled:
             continue
         stalled = since is not None
-        if stalled:
+        if since is not None:
             log.error("the engine thread has not finished a step or call for %.0f s "
                       "(a hung kernel or a stuck lock?): NOT_SERVING until it does",
                       time.time() - since)

@@ -9,9 +9,9 @@ import asyncio
 
 from baton.kv_transfer.blocks import read_blocks
 from baton.services.common.errors import shown
+from baton.services.lora import calls as lora_calls
 from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
 from baton.services.rpc.server import Lifecycle
-from baton.services.worker import lora_calls
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.messages import layout_message, model_info_message
 from baton.worker.v1 import worker_pb2 as wk

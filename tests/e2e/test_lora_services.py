@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from baton.services.common.lora_paths import UNREADABLE
+from baton.services.lora.paths import UNREADABLE
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.helpers import all_free_within, colocated_http, greedy, joined, run, until_served

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from baton.services.engine.lora import TARGETS, load_adapter, projection_shapes
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.adapter import TARGETS, load_adapter, projection_shapes
 from baton.tools.bench.lora import parse_counts, write_adapter
 
 # Grouped-query attention, so q, k and v have different output sizes.

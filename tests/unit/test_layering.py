@@ -5,6 +5,7 @@ hand-written file over 400 lines, and the parts that must load without torch do.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import tomllib
@@ -18,9 +19,10 @@ OURS = FOLDERS | {"protos", "baton", "baton_client"}
 CONTRACT = {"kv_transfer.base", "kv_transfer.blocks"}  # what services may use of kv_transfer
 STUBS = "baton.v1"  # the public API's generated stubs (protos/baton/v1)
 INTERNAL = "baton.worker.v1"  # the workers' internal API's (protos/baton/worker/v1)
-# Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine (and
-# the KV transfer contract); services/rpc (the gRPC shell); services/worker; the workers and
-# the router; cli and tools on top.
+# Floors, bottom up: kernels; services/common (torch- and gRPC-free types); the engine and
+# services/lora beside it (and the KV transfer contract); services/rpc (the gRPC shell);
+# services/worker, with services/lora/calls.py; the workers and the router; cli and tools
+# on top.
 # Folder (or sub-package) -> project packages (dotted prefixes, `baton.` left out) it may
 # import, besides itself. The most specific folder applies.
 ALLOWED = {
@@ -29,9 +31,15 @@ ALLOWED = {
     "kv_transfer": {STUBS},
     "services": {"kernels", STUBS, INTERNAL, "services", *CONTRACT},
     "services/common": set(),
-    "services/engine": {"kernels", "services.common", *CONTRACT},
+    "services/engine": {"kernels", "services.common", "services.lora", *CONTRACT},
+    # LoRA on the worker's side: the engine's floor (the engine holds its adapters; they
+    # are checked against its ModelConfig), but for the worker's calls.
+    "services/lora": {"kernels", "services.common", "services.engine.model_config"},
+    "services/lora/calls.py": {STUBS, INTERNAL, "services.lora", "services.rpc",
+                               "services.worker"},
     "services/rpc": {STUBS, "services.common", "kv_transfer.base"},
-    "router": {STUBS, INTERNAL, "services.common", "services.rpc"},
+    "router": {STUBS, INTERNAL, "services.common", "services.lora.names",
+               "services.lora.paths", "services.rpc"},
     "prefill_worker": {"services", "kv_transfer", "kernels", STUBS, INTERNAL},
     "decode_worker": {"services", "kv_transfer", "kernels", STUBS, INTERNAL},
     "cli": OURS,
@@ -39,6 +47,8 @@ ALLOWED = {
     "baton_client": {STUBS},  # the public client: the stubs and nothing else
 }
 FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/common": {"torch", "grpc"},
+                         "services/lora/names.py": {"torch", "grpc"},
+                         "services/lora/paths.py": {"torch", "grpc"},
                          "services/rpc": {"torch"}, "kv_transfer/base.py": {"torch"},
                          "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
@@ -237,10 +247,10 @@ def test_pyproject_ships_every_package_under_baton():
     # A folder is a package (a namespace portion, or regular where it has __init__.py)
     # where it holds Python modules, or folders that do.
     stubs = ROOT / "protos"
-    here = {"baton_client"} | {
-        d.relative_to(stubs).as_posix().replace("/", ".")
-        for d in [stubs / "baton", *(stubs / "baton").rglob("*")]
-        if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py"))} | {
+    here = {"baton_client"} | {  # baton, and the stubs' packages (the links not followed)
+        Path(top).relative_to(stubs).as_posix().replace("/", ".")
+        for top, _, _ in os.walk(stubs / "baton")
+        if Path(top).name != "__pycache__" and any(Path(top).glob("*.py"))} | {
         "baton." + d.relative_to(ROOT).as_posix().replace("/", ".")
         for folder in FOLDERS for d in [ROOT / folder, *(ROOT / folder).rglob("*")]
         if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py"))}

@@ -1,4 +1,4 @@
-"""A worker's adapter reads (services/worker/lora_calls.py) against a fake engine:
+"""A worker's adapter reads (services/lora/calls.py) against a fake engine:
 requests that arrive together for an adapter it lacks share one read, and a request at
 a newer version than the one held reads it again."""
 
@@ -9,7 +9,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from baton.services.worker import lora_calls
+from baton.services.lora import calls as lora_calls
 from baton.worker.v1 import worker_pb2 as wk
 
 

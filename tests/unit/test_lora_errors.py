@@ -13,7 +13,7 @@ import torch
 from baton.services.common.errors import NotFound
 from baton.services.engine import SamplingParams
 from baton.services.engine.config import EngineConfig
-from baton.services.engine.lora import LoRARequest
+from baton.services.lora.adapter import LoRARequest
 from tests.lora_adapters import peft_greedy, save_adapter
 from tests.unit.engine_helpers import kv_gib, run_steps
 

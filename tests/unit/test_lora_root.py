@@ -1,4 +1,4 @@
-"""--lora-root (services/common/lora_paths.py): a LoRA adapter path a caller sends is read
+"""--lora-root (services/lora/paths.py): a LoRA adapter path a caller sends is read
 only beneath the root, symlinks resolved (the directory's and each file's), and whatever
 the server cannot read for the caller (absent, a file, no adapter, outside the root by
 `..`, by an absolute path or by a link) gets one message and one status, whether the
@@ -17,12 +17,12 @@ import torch
 
 from baton.router.clients import WorkerError
 from baton.router.config import RouterConfig
-from baton.router.loras import RouterLoras
-from baton.services.common.lora_paths import UNREADABLE, Unreadable
-from baton.services.engine.lora import LoRARequest
-from baton.services.engine.lora_slots import LoraSlots
-from baton.services.engine.loras import EngineLoras
+from baton.router.lora.registry import RouterLoras
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.adapter import LoRARequest
+from baton.services.lora.paths import UNREADABLE, Unreadable
+from baton.services.lora.registry import EngineLoras
+from baton.services.lora.slots import LoraSlots
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 from tests.unit import router_fakes

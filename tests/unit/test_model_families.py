@@ -246,7 +246,7 @@ def test_real_configs_resolve_as_their_models_run():
 def test_generation_config_top_k_zero_is_off_and_a_bad_value_names_the_file(tmp_path):
     from transformers import GenerationConfig
 
-    from baton.services.engine.generation_config import read_generation_config
+    from baton.services.common.generation_config import read_generation_config
 
     GenerationConfig(do_sample=True, top_k=0, temperature=0.7).save_pretrained(tmp_path)
     assert read_generation_config("auto", tmp_path)[1] == {"temperature": 0.7, "top_k": -1}

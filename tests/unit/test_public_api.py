@@ -84,10 +84,13 @@ def test_the_public_package_imports_nothing_internal():
 
 
 def test_baton_worker_is_only_the_generated_stubs():
-    # protos/baton/__init__.py puts the checkout's root on baton's path: a top-level folder
-    # named `worker` there would be a second baton.worker. There is none.
+    # protos/baton links the top-level code folders in as baton.<folder>; baton.worker is
+    # the stubs' own folder, and no top-level folder (or link to one) shares its name.
     import baton.worker.v1.worker_pb2 as wk
 
-    places = [Path(p) / "worker" for p in baton.__path__ if (Path(p) / "worker").exists()]
-    assert places == [STUBS / "baton" / "worker"], places
-    assert Path(wk.__file__).resolve().is_relative_to(STUBS / "baton" / "worker" / "v1")
+    stubs = STUBS / "baton" / "worker"
+    assert stubs.is_dir() and not stubs.is_symlink()
+    assert not (ROOT / "worker").exists()
+    assert [Path(p) for p in baton.__path__ if (Path(p) / "worker").exists()] == \
+        [STUBS / "baton"]
+    assert Path(wk.__file__).resolve().is_relative_to(stubs)

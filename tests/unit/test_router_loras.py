@@ -1,4 +1,4 @@
-"""The router's LoRA registry (router/loras.py) against fake workers: a load is all the
+"""The router's LoRA registry (router/lora/registry.py) against fake workers: a load is all the
 workers' or none's, an unload reaches every worker, and a request naming an adapter not
 served is NOT_FOUND before any worker is called; the block hashes the router routes on
 fold in the adapter exactly as the engine's do."""
@@ -13,7 +13,7 @@ import pytest
 
 from baton.router.clients import WorkerError
 from baton.router.kv_index import PromptBlocks
-from baton.router.loras import RouterLoras
+from baton.router.lora.registry import RouterLoras
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.block_pool import BlockPool
 from baton.services.engine.kv_cache_manager import KVCacheManager

@@ -17,13 +17,7 @@ from baton.router.openai import app as app_module
 from baton.router.openai import body as body_module
 from baton.router.openai.body import parse_body
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
-from baton.services.common.limits import (
-    BAD_WORD_CHARS_CEILING,
-    BAD_WORDS_CEILING,
-    LOGIT_BIAS_CEILING,
-    Limits,
-    OverLimit,
-)
+from baton.services.common.limits import BOUNDS, Limits, OverLimit
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
@@ -32,6 +26,9 @@ from baton.v1 import generation_pb2 as gen
 from tests.unit.router_fakes import PROMPT, cluster, expected
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+LOGIT_BIAS_CEILING = BOUNDS["logit_bias"].ceiling
+BAD_WORDS_CEILING = BOUNDS["bad_words"].ceiling
+BAD_WORD_CHARS_CEILING = BOUNDS["bad_word_chars"].ceiling
 
 
 def _sampling(**kw) -> bytes:

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from baton.services.engine import SamplingParams
 from baton.services.engine.config import SpecConfig
+from baton.services.engine.ngram_index import NgramIndex
 from baton.services.engine.sampler import Sampler, SamplingRow
-from baton.services.engine.spec_decode import NgramIndex
 from tests.unit.engine_helpers import assert_idle, greedy, run_steps
 
 # The batch-size threshold lifted: these tests check the mechanism on batches of 8.

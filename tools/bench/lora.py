@@ -23,8 +23,8 @@ import time
 import torch
 
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.lora import TARGETS, LoRARequest, projection_shapes
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.adapter import TARGETS, LoRARequest, projection_shapes
 from baton.tools.bench.machine import machine_line, trim
 from baton.tools.bench.workloads import Workload, make_workload
 

@@ -9,6 +9,7 @@ of every request, and attention reads and writes the paged KV cache through
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -42,6 +43,11 @@ def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialized: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# LoRA's hook on a layer's linears (services/lora/slots.py): (which linear, its
+# input, its output) -> the output with the adapters' deltas added.
+LoraHook = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +101,9 @@ def rope_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE on the two halves of each head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
 
+    cos: torch.Tensor  # [max_positions, d/2], buffers (register_buffer below)
+    sin: torch.Tensor
+
     def __init__(self, rope: Rope, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
@@ -146,7 +155,7 @@ class Attention(nn.Module):
         self.features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                          if v is not None}
         self.packed: dict[str, torch.Tensor | None] = {}
-        self.lora = None  # LoRA's hook (services/engine/lora_slots.py), with adapters on
+        self.lora: LoraHook | None = None  # set where adapters are on
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
@@ -183,7 +192,7 @@ class MLP(nn.Module):
         self.down_bias = param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
         self.packed: dict[str, torch.Tensor | None] = {}
-        self.lora = None  # LoRA's hook, as Attention's
+        self.lora: LoraHook | None = None  # LoRA's hook, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.packed.get("gate_up"), self.gate_up_bias)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +68,18 @@ class LlamaForCausalLM(nn.Module):
             x = layer(ropes[self.rope_of_layer[i]], x, kv_cache, meta, self.backend)
         return self.norm(x)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed: an nn.ModuleList holds nn.Modules as far as a checker knows."""
+        return cast(list[DecoderLayer], list(self.layers))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head, self.lm_head_packed).float()
 
     def prepack_weights(self) -> None:
         """Keep oneDNN-packed copies of every linear weight, where that path applies.
         Costs a second copy of those weights in memory; call after load_weights."""
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.packed = {"qkv": prepack(attn.qkv_weight), "o": prepack(attn.o_weight)}
             mlp.packed = {"gate_up": prepack(mlp.gate_up_weight), "down": prepack(mlp.down_weight)}

@@ -1,6 +1,6 @@
 """The adapters an engine holds, and the device slots a step's adapters sit in.
 
-Host: every loaded adapter (lora.py), at most `max_cpu_loras`, least recently used
+Host: every loaded adapter (adapter.py), at most `max_cpu_loras`, least recently used
 dropped first (never one a live request runs). Device: `max_loras` slots, one weight
 stack per layer and projection (the layout of kernels/lora.py):
 
@@ -23,8 +23,8 @@ import torch
 from baton.kernels.lora import LoraBatch
 from baton.kernels.lora import add_lora as torch_add_lora
 from baton.services.common.capacity import AtCapacity
-from baton.services.engine.lora import LoRAAdapter, projection_shapes
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.adapter import LoRAAdapter, projection_shapes
 
 
 class LayerLora:

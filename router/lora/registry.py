@@ -13,8 +13,8 @@ running.
 
 A run-time load's path must lie beneath --lora-root (absolute, or relative to it), checked
 here with the router's view of the file system and again by each worker that has the
-root; whatever cannot be read for the caller gets lora_paths.py's one refusal, from the
-router or from a worker alike. Answers name adapters, never their paths.
+root; whatever cannot be read for the caller gets services/lora/paths.py's one refusal,
+from the router or from a worker alike. Answers name adapters, never their paths.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 
 from baton.router.clients import WorkerError
 from baton.router.registry import Registry
-from baton.services.common.lora_names import check_name, parse_lora_module, shown
-from baton.services.common.lora_paths import UNREADABLE, Unreadable, beneath
+from baton.services.lora.names import check_name, parse_lora_module, shown
+from baton.services.lora.paths import UNREADABLE, Unreadable, beneath
 from baton.services.rpc.errors import FailedPrecondition, Missing
 from baton.worker.v1 import worker_pb2 as wk
 

@@ -1,5 +1,5 @@
 """LoRA adapters from PEFT directories: read, checked against the model, kept on the host
-until a step needs one on the device (lora_slots.py).
+until a step needs one on the device (slots.py).
 
 A PEFT directory holds `adapter_config.json` (r, lora_alpha, target_modules, ...) and
 `adapter_model.safetensors` (or `.bin`) with, per adapted module (q, k, v, o, gate, up,
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.services.common.lora_names import check_name, shown
-from baton.services.common.lora_paths import Unreadable, beneath
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.names import check_name, shown
+from baton.services.lora.paths import Unreadable, beneath
 
 # HF module -> (our fused projection, which part of it).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
@@ -67,8 +67,8 @@ class LoRAAdapter:
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = \
         field(default_factory=dict)
     fingerprint: str = ""  # sha256 of the weights as served (scale folded in)
-    key: str = ""  # what the engine holds it under (loras.py): its binding
-    sent: bool = False  # read from a path a caller sent (lora_paths.py), not the operator's
+    key: str = ""  # what the engine holds it under (registry.py): its binding
+    sent: bool = False  # read from a path a caller sent (paths.py), not the operator's
 
     @property
     def num_bytes(self) -> int:
@@ -78,7 +78,7 @@ class LoRAAdapter:
 def load_adapter(name: str, path: str, c: ModelConfig, max_rank: int,
                  dtype: torch.dtype, root: str | None = None) -> LoRAAdapter:
     """Read and check a PEFT LoRA directory; ValueError, saying why, on anything this model
-    cannot apply exactly, and its subclass Unreadable (lora_paths.py) where a file is
+    cannot apply exactly, and its subclass Unreadable (paths.py) where a file is
     absent or does not open, or (with `root`) resolves outside `root`."""
     check_name(name)
     config = _read_config(name, path, root)

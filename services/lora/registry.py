@@ -6,7 +6,7 @@ request, unloaded once no request runs them.
                          first use here
     read(name, path)     read a directory a caller sent (the router's load, or the path
                          it sends with a request): only beneath --lora-root where the
-                         engine has one, and refused with lora_paths.py's one message
+                         engine has one, and refused with paths.py's one message
                          wherever it cannot be read (the reason goes to the log); the
                          engine's own --lora-modules paths are the operator's
     resolve(request)     the name a request runs under; ValueError for an adapter this
@@ -33,11 +33,11 @@ import os
 from collections.abc import Callable
 
 from baton.services.common.errors import NotFound
-from baton.services.common.lora_names import check_name, parse_lora_module, shown
-from baton.services.common.lora_paths import Unreadable, beneath
-from baton.services.engine.lora import LoRAAdapter, LoRARequest, load_adapter
-from baton.services.engine.lora_slots import LoraSlots
 from baton.services.engine.model_config import ModelConfig
+from baton.services.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
+from baton.services.lora.names import check_name, parse_lora_module, shown
+from baton.services.lora.paths import Unreadable, beneath
+from baton.services.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from baton.services.common.errors import shown
 _NAME = re.compile(r"[\w.:@+/-]{1,128}", re.ASCII)
 
 
-def check_name(name: str) -> str:
+def check_name(name: object) -> str:
     """An adapter's name, as requests give it (the API's `model`): ValueError if it is not
     1 to 128 ASCII letters, digits and ._:@+/-"""
     if not isinstance(name, str) or not _NAME.fullmatch(name):

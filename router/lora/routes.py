@@ -8,7 +8,7 @@
 
 Both POSTs are /v1/ routes, behind the API key like the completions, and served only with
 --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): else any key's
-caller could swap another's adapter. A load reads only beneath --lora-root (router/loras.py).
+caller could swap another's adapter. A load reads only beneath --lora-root (registry.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from baton.router.openai.body import read_body
+from baton.router.openai.body import Body, read_body
 from baton.router.openai.render import error_body
 
 
@@ -62,7 +62,7 @@ def model_cards(router, info) -> list[dict]:
 def install(app: FastAPI, router, api_error) -> None:
     """The two routes; `api_error(e)` gives an exception the app's error shape."""
 
-    async def body_of(request: Request, kind: type[BaseModel]):
+    async def body_of(request: Request, kind: type[Body]) -> Body:
         return await read_body(router.intake, request, kind)
 
     @app.post("/v1/load_lora_adapter")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 
-from baton.services.engine.lora import LoRARequest
+from baton.services.lora.adapter import LoRARequest
 from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
 from baton.services.worker.async_engine import AsyncEngine
 from baton.worker.v1 import worker_pb2 as wk
@@ -48,7 +48,7 @@ async def load(aengine: AsyncEngine, name: str, path: str, version: int = 0) -> 
     if read is None:
         async def read_and_keep():
             adapter = await asyncio.to_thread(loras.read, name, path)
-            # Kept unless a newer version was bound meanwhile (loras.py).
+            # Kept unless a newer version was bound meanwhile (registry.py).
             await aengine.call(lambda engine: engine.loras.keep(adapter, version))
 
         read = reads[job] = asyncio.ensure_future(read_and_keep())
