@@ -10,7 +10,9 @@ import argparse
 import sys
 import time
 
-from baton.services.engine import EngineConfig, LLMEngine, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine import LLMEngine
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.lora import TARGETS, LoRARequest, projection_shapes
 from baton.services.engine.model_config import ModelConfig
 from baton.tools.bench.machine import machine_line, trim

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
 from baton.tools.bench.machine import machine_line, trim
 from baton.tools.bench.workloads import Workload, make_workload

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.models import layers
 from baton.tools.bench.workloads import make_workload
 
