@@ -16,7 +16,7 @@ from baton.services.engine.engine import LLMEngine
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--model", default=None, help="a .gguf file or HF model directory")
     ap.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
     ap.add_argument("--max-tokens", type=int, default=200)

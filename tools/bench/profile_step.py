@@ -125,7 +125,7 @@ def phase(llm: LLM, name: str, steps: int) -> tuple[Timer, float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()

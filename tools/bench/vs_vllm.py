@@ -62,7 +62,7 @@ def hf_dir() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", default=str(cache_dir() / "vllm-venv" / "bin" / "python"))
     ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
