@@ -65,12 +65,12 @@ def generate_request(
     request = gen.GenerateRequest(sampling=gen.SamplingParams(**sampling),
                                   request_id=request_id, priority=priority,
                                   cache_salt=cache_salt)
-    which = _one_prompt(prompt, token_ids, messages)
-    if which == "text":
+    _check_one_prompt(prompt, token_ids, messages)
+    if prompt is not None:
         request.text = prompt
-    elif which == "token_ids":
+    elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
-    else:
+    elif messages is not None:
         request.chat.CopyFrom(chat_of(messages, tools, chat_template_kwargs))
     if tool_choice is not None:
         request.tool_choice.CopyFrom(tool_choice_of(tool_choice))
@@ -87,7 +87,7 @@ def structured_of(value: gen.StructuredOutput | Mapping[str, object]) -> gen.Str
         if value.WhichOneof("constraint") is None:
             raise TypeError("structured_output: no constraint set")
         return value
-    keys = [f.name for f in gen.StructuredOutput.DESCRIPTOR.fields]
+    keys = [f.name for f in gen.StructuredOutput.DESCRIPTOR.oneofs_by_name["constraint"].fields]
     if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in keys:
         raise TypeError(f"structured_output: a StructuredOutput or a dict with one key of "
                         f"{keys}, got {value!r}")
@@ -99,26 +99,30 @@ def structured_of(value: gen.StructuredOutput | Mapping[str, object]) -> gen.Str
     if key == "json_object":
         if item is not True:
             raise TypeError(f"structured_output: json_object must be True, got {item!r}")
-    elif key == "json_schema" and isinstance(item, Mapping):
+        return gen.StructuredOutput(json_object=True)
+    if key == "json_schema" and isinstance(item, Mapping):
         item = json.dumps(item)  # a schema as a dict: sent as its JSON text
-    elif not isinstance(item, str):
+    if not isinstance(item, str):
         raise TypeError(f"structured_output: {key} must be a string, got {item!r}")
-    return gen.StructuredOutput(**{key: item})
+    if key == "regex":
+        return gen.StructuredOutput(regex=item)
+    if key == "grammar":
+        return gen.StructuredOutput(grammar=item)
+    return gen.StructuredOutput(json_schema=item)
 
 
 def tokenize_request(text: str | None = None, *,
                      messages: Iterable[Message] | None = None) -> gen.TokenizeRequest:
-    if (text is None) == (messages is None):
-        raise TypeError("tokenize() takes exactly one of text or messages=")
-    if text is not None:
+    if text is not None and messages is None:
         return gen.TokenizeRequest(text=text)
-    return gen.TokenizeRequest(chat=chat_of(messages))
+    if messages is not None and text is None:
+        return gen.TokenizeRequest(chat=chat_of(messages))
+    raise TypeError("tokenize() takes exactly one of text or messages=")
 
 
-def _one_prompt(prompt, token_ids, messages) -> str:
+def _check_one_prompt(prompt, token_ids, messages) -> None:
     given = [name for name, value in (("text", prompt), ("token_ids", token_ids),
                                       ("messages", messages)) if value is not None]
     if len(given) != 1:
         raise TypeError("give exactly one of a prompt, token_ids= or messages=; "
                         f"got {given or 'none'}")
-    return given[0]

@@ -61,8 +61,11 @@ def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
            scale: float, window: int | None, softcap: float | None) -> None:
     """out[:n] for the first n = seq_lens.numel() rows of `query`, one token each."""
+    module = load()
+    if module is None:  # callers check load() first
+        raise RuntimeError(f"the CPU decode kernel is unavailable ({_failed})")
     n = seq_lens.shape[0]
-    load().decode(query[:n], key_cache, value_cache, block_tables[:n], seq_lens,
+    module.decode(query[:n], key_cache, value_cache, block_tables[:n], seq_lens,
                   out[:n], scale, window or 0, softcap or 0.0)
 
 

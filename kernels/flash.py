@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ def _load():
             continue
         if "seqused_k" in inspect.signature(fn).parameters:
             return fn, "vllm_flash_attn", 16
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func  # pyright: ignore[reportMissingImports] GPU-only
 
     if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
         raise ImportError("flash_attn older than 2.6 has no block_table (paged KV)")
@@ -91,9 +92,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     del key, value
     k = key_cache.permute(1, 2, 0, 3)
     v = value_cache.permute(1, 2, 0, 3)
-    common = dict(cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
-                  max_seqlen_k=max(meta.max_seq_len, meta.decode_max_seq_len),
-                  softmax_scale=scale, causal=True, block_table=meta.block_tables)
+    common: dict[str, Any] = dict(
+        cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+        max_seqlen_k=max(meta.max_seq_len, meta.decode_max_seq_len),
+        softmax_scale=scale, causal=True, block_table=meta.block_tables)
     if window is not None:
         _needs("window_size", "a sliding window")
         common["window_size"] = (window - 1, 0)

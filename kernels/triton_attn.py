@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -39,6 +41,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _on(device: torch.device):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel: triton.KernelInterface[Any], grid: tuple[int, ...]) -> Callable[..., object]:
+    """kernel[grid]. Triton types a kernel's tl.constexpr parameters as `constexpr`, but a
+    launch passes them plain ints, bools and strings: this launcher takes any arguments."""
+    return kernel[grid]
 
 
 @triton.jit
@@ -73,7 +81,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     assert key_cache.stride() == value_cache.stride()
     block_t = 16
     with _on(key.device):
-        _cache_write_kernel[(triton.cdiv(num_tokens, block_t), kv_heads)](
+        _launch(_cache_write_kernel, (triton.cdiv(num_tokens, block_t), kv_heads))(
             key, value, key_cache, value_cache, slot_mapping, num_tokens,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -195,7 +203,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     block_q, tile_n = _tiles(group_pad, meta.max_query_len)
     grid = (triton.cdiv(meta.max_query_len, block_q), meta.num_seqs, kv_heads)
     with _on(query.device):
-        _paged_attention_kernel[grid](
+        _launch(_paged_attention_kernel, grid)(
             out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, scale, window or 0, float(softcap or 0.0),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),

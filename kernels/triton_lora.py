@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -49,6 +51,12 @@ _NO_SLOT = 2**62  # above any slot: "no slot left" in a tile's walk over its slo
 def _on(device: torch.device):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel: triton.KernelInterface[Any], grid: tuple[int, ...]) -> Callable[..., object]:
+    """kernel[grid]. Triton types a kernel's tl.constexpr parameters as `constexpr`, but a
+    launch passes them plain ints, bools and strings: this launcher takes any arguments."""
+    return kernel[grid]
 
 
 @triton.jit
@@ -177,10 +185,10 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
     )
     with _on(x.device):
-        _shrink_kernel[(token_tiles, splits)](
+        _launch(_shrink_kernel, (token_tiles, splits))(
             y, x, a, slots, num_tokens, in_dim, rank, a.stride(0), a.stride(1), splits,
             BLOCK_K=BLOCK_K, **consts)
-        _expand_kernel[(token_tiles, triton.cdiv(out_dim, BLOCK_N))](
+        _launch(_expand_kernel, (token_tiles, triton.cdiv(out_dim, BLOCK_N)))(
             out, y, b, slots, num_tokens, out_dim, rank, b.stride(0), b.stride(1), splits,
             BLOCK_N=BLOCK_N, **consts)
     return out

@@ -10,11 +10,13 @@ import argparse
 import sys
 import time
 
-from baton.services.engine import EngineConfig, LLMEngine, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.engine import LLMEngine
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--model", default=None, help="a .gguf file or HF model directory")
     ap.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
     ap.add_argument("--max-tokens", type=int, default=200)

@@ -263,7 +263,7 @@ def check_counts(data: dict, limits: Limits, max_model_len: int | None = None) -
         check("max_prompt_chars", sum(map(_content_chars, messages)), "messages")
     for row in TABLE:  # every bounded key of a body
         value = data.get(row.body) if row.body else None
-        if isinstance(value, (list, str, dict)):
+        if row.body and isinstance(value, (list, str, dict)):
             check(row.name, count(row, value), row.body)
     outputs = data.get("structured_outputs")
     for where, choices in (("guided_choice", data.get("guided_choice")),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 ITEMS, CHARS = "items", "characters"  # how a row counts (Bound.count)
 ROUTER_ID_CHARS = 64  # room for the ids the router makes itself (OpenAI's choices)
@@ -146,7 +147,10 @@ def _post_init(self) -> None:
 def _bound(self, name: str) -> int:
     """The bound of row `name`: its `Limits` field, else the engine's ceiling."""
     b = BOUNDS[name]
-    return getattr(self, name) if b.default is not None else b.ceiling
+    if b.default is not None:
+        return getattr(self, name)
+    assert b.ceiling is not None  # a row bounds by a flag, a ceiling, or both
+    return b.ceiling
 
 
 def _check(self, name: str, got: int, where: str, more: bool = False) -> None:
@@ -156,14 +160,25 @@ def _check(self, name: str, got: int, where: str, more: bool = False) -> None:
         check_bound(where, got, self.bound(name), b.unit, more, flag=b.flag)
 
 
-Limits = dataclasses.make_dataclass(
-    "Limits", [(b.name, int, field(default=b.default)) for b in TABLE if b.default is not None],
-    frozen=True, namespace={
-        "__doc__": "The router's bounds on one request (gRPC Generate and Tokenize, and "
-                   "each OpenAI body): a field per row of TABLE with a default. Counts are "
-                   "checked before anything is built per item.",
-        "__post_init__": _post_init, "bound": _bound, "check": _check})
-Limits.__module__ = __name__
+if TYPE_CHECKING:
+    class Limits:
+        """What a checker knows of the class made below from TABLE: a frozen record of
+        int bounds, one per row with a default, by that row's name."""
+
+        def __init__(self, **bounds: int) -> None: ...
+        def __getattr__(self, name: str) -> int: ...
+        def bound(self, name: str) -> int: ...
+        def check(self, name: str, got: int, where: str, more: bool = False) -> None: ...
+
+else:
+    Limits = dataclasses.make_dataclass(
+        "Limits", [(b.name, int, field(default=b.default)) for b in TABLE if b.default is not None],
+        frozen=True, namespace={
+            "__doc__": "The router's bounds on one request (gRPC Generate and Tokenize, and "
+                       "each OpenAI body): a field per row of TABLE with a default. Counts are "
+                       "checked before anything is built per item.",
+            "__post_init__": _post_init, "bound": _bound, "check": _check})
+    Limits.__module__ = __name__
 
 
 def check_bound(where: str, got: int, bound: int, unit: str, more: bool = False,

@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from baton.services.common import constraint_limits
 from baton.services.common.errors import shown
@@ -215,4 +216,4 @@ class SamplingParams:
 # The value of each field a request leaves unset (and the model's generation_config.json
 # does not set), spelled once: on SamplingParams' fields above. The proto's comments say
 # them in prose (a test compares); vLLM's completions default max_tokens is the same 16.
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}

@@ -62,16 +62,31 @@ def _local(name: str) -> str:
         else name
 
 
-def _imports(path: Path) -> list[str]:
-    """Every module `path` imports: import statements anywhere (lazy ones included), and
-    importlib.import_module / __import__ calls with a constant name."""
+def _package(rel: str) -> str:
+    """The package a file of the checkout is in, installed: services/engine/x.py (and
+    services/engine/__init__.py) -> baton.services.engine; protos/baton/v1/x.py ->
+    baton.v1."""
+    parts = rel.removesuffix(".py").split("/")
+    parts = parts[1:] if parts[0] == "protos" else parts if parts[0] not in FOLDERS \
+        else ["baton", *parts]
+    return ".".join(parts[:-1])
+
+
+def _imports(path: Path, package: str) -> list[str]:
+    """Every module `path` (in `package`) imports, by absolute name: import statements
+    anywhere (lazy ones included; relative ones resolved), and importlib.import_module /
+    __import__ calls with a constant name."""
     names = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # `from ..x import y` in a.b.c: level 2 goes up to a.b, then down to a.b.x
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.append(module)
+            names += [f"{module}.{a.name}" for a in node.names]
         elif (isinstance(node, ast.Call) and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
               and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
@@ -102,7 +117,7 @@ def _violations(root: Path) -> list[str]:
         folder, allowed = rule
         forbidden = set().union(*(v for k, v in FORBIDDEN_THIRD_PARTY.items()
                                   if rel == k or rel.startswith(k + "/")))
-        for raw in _imports(path):
+        for raw in _imports(path, _package(rel)):
             if raw.split(".")[0] in FOLDERS:
                 bad.append(f"{rel} imports {raw} outside the baton namespace")
             name = _local(raw)
@@ -125,10 +140,11 @@ def _module_graph(root: Path) -> dict[str, set[str]]:
         name = rel[:-3].replace("/", ".").removesuffix(".__init__")
         if name.startswith("protos."):
             name = name[len("protos."):]
-        mods[name] = path
+        mods[name] = path, _package(rel)
     graph = {}
-    for name, path in mods.items():
-        graph[name] = {n for n in map(_local, _imports(path)) if n in mods and n != name}
+    for name, (path, package) in mods.items():
+        graph[name] = {n for n in map(_local, _imports(path, package))
+                       if n in mods and n != name}
     return graph
 
 
@@ -213,6 +229,9 @@ def test_the_checks_see_violations(tmp_path):
         "kernels/b.py": "import baton.kernels.a\n",
         "baton_client/c.py": "from baton.v1 import generation_pb2\n"
                              "from baton.worker.v1 import worker_pb2\n",
+        # Relative imports, resolved: a folder's own modules import each other so.
+        "services/common/c.py": "from ..engine import llm\nfrom . import d\n",
+        "services/common/d.py": "from .c import x\n",
     }.items():
         (tmp_path / folder).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / folder).write_text(text)
@@ -224,9 +243,12 @@ def test_the_checks_see_violations(tmp_path):
         "router/x.py imports baton.services.engine.LLM",
         "router/x.py imports services.common.b outside the baton namespace",
         "router/x.py imports torch",
+        "services/common/c.py imports baton.services.engine",
+        "services/common/c.py imports baton.services.engine.llm",
         "services/engine/e.py imports baton.services.worker.w",
     ]
-    assert _cycles(_module_graph(tmp_path)) == [["kernels.a", "kernels.b"]]
+    assert _cycles(_module_graph(tmp_path)) == [["kernels.a", "kernels.b"],
+                                                ["services.common.c", "services.common.d"]]
 
 
 def test_the_engine_loads_without_grpc():

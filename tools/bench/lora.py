@@ -19,10 +19,12 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.model_config import ModelConfig
 from baton.services.lora.adapter import TARGETS, LoRARequest, projection_shapes
 from baton.tools.bench.machine import machine_line, trim
@@ -66,7 +68,7 @@ def write_adapter(folder: str, mc: ModelConfig, rank: int, seed: int) -> str:
     return folder
 
 
-def run_mixed(llm: LLM, wl: Workload, names: list[str | None]) -> tuple[float, float]:
+def run_mixed(llm: LLM, wl: Workload, names: Sequence[str | None]) -> tuple[float, float]:
     """(output tokens/s, share of its threads' CPU time this process got) of the workload
     with request i on adapter names[i % len(names)] (None: the base model), driven through
     the engine's add_request/step. A share well under 1 means another process competed."""

@@ -22,11 +22,14 @@ import argparse
 import json
 import logging
 import time
+from typing import Any, cast
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
+from baton.services.engine.model_config import Rope
 from baton.tools.bench.machine import machine_line, trim
 from baton.tools.bench.workloads import Workload, make_workload
 
@@ -77,7 +80,8 @@ def build_hf_model(model: str | None, dtype: torch.dtype):
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope.theta, max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=hf_rope(config.rope),
+        max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings, eos_token_id=list(config.eos_token_ids),
         pad_token_id=config.eos_token_ids[0],
     )
@@ -87,7 +91,17 @@ def build_hf_model(model: str | None, dtype: torch.dtype):
         raise RuntimeError(f"HF model did not get weights for {missing[:5]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
-    return hf.to(dtype).eval()
+    # transformers types LlamaForCausalLM.to as the unbound Module.to (functools.wraps).
+    cast(torch.nn.Module, hf).to(dtype).eval()  # both in place
+    return hf
+
+
+def hf_rope(rope: Rope) -> dict[str, Any]:
+    """transformers' rope_parameters for Baton's Rope: its scaling kind and numbers too."""
+    params: dict[str, Any] = {"rope_type": rope.kind, "rope_theta": rope.theta}
+    for name, value in rope.params:
+        params[name] = int(value) if name == "original_max_position_embeddings" else value
+    return params
 
 
 def run_hf(hf, wl: Workload, batch_size: int = 16) -> float:

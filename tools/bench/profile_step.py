@@ -19,7 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
+from baton.services.engine.llm import LLM
 from baton.services.engine.models import layers
 from baton.tools.bench.workloads import make_workload
 
@@ -124,7 +125,7 @@ def phase(llm: LLM, name: str, steps: int) -> tuple[Timer, float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import SpecConfig
+from baton.services.engine.llm import LLM
 from baton.tools.bench.workloads import make_workload
 
 INSTRUCTIONS = [

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from baton.services.common.sampling_params import StructuredOutput
-from baton.services.engine import LLM, SamplingParams
+from baton.services.common.sampling_params import SamplingParams, StructuredOutput
+from baton.services.engine.llm import LLM
 from baton.tools.bench.workloads import make_workload
 
 # At least 64 strings: no row can complete it within its 128 tokens, so both sides

@@ -34,7 +34,7 @@ RUNS = [("W1", "w1", True), ("W2 caching off", "w2", False), ("W2 caching on", "
 
 def baton_child(workload: str, caching: bool) -> None:
     """One run in this process (the child side): one JSON line."""
-    from baton.services.engine import LLM
+    from baton.services.engine.llm import LLM
     from baton.tools.bench.offline import run_baton
 
     llm = LLM(dtype="bfloat16", kv_cache_gib=4.0, enable_prefix_caching=caching)
@@ -62,7 +62,7 @@ def hf_dir() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", default=str(cache_dir() / "vllm-venv" / "bin" / "python"))
     ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
