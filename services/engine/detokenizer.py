@@ -59,14 +59,20 @@ class IncrementalDetokenizer:
         return self._stop_matched
 
     def update(self, new_token_ids: list[int]) -> str:
-        """Add tokens; return the new text that is safe to emit now."""
+        """Add tokens; return the new text that is safe to emit now. Several tokens at
+        once give the text, and leave the state, of one at a time: a request resumed
+        elsewhere replays its streamed tokens in one call and must go on as its stream
+        would have (a window ending mid-character would hold back all of its text, and
+        then send again what the stream had sent; under min_tokens, whether a stop string
+        counts depends on the token that completes it)."""
         if self._stop_matched is not None:
             raise RuntimeError("update() after a stop string matched")
-        self._num_output += len(new_token_ids)
-        self._ids.extend(new_token_ids)
-        self._append(self._decode_new(final=False))
-        if self._stop_matched is not None:
-            return self._take(len(self._text))
+        for token in new_token_ids:
+            self._num_output += 1
+            self._ids.append(token)
+            self._append(self._decode_new(final=False))
+            if self._stop_matched is not None:
+                return self._take(len(self._text))
         return self._take(len(self._text) - self._stops.held)
 
     def flush(self) -> str:

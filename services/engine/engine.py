@@ -158,10 +158,9 @@ class LLMEngine:
         if req.generator is not None and not req.params.greedy:
             self.runner.sampler.advance(req.generator, vocab, len(outs))
         # Those tokens' text was already streamed; replaying them puts this detokenizer in
-        # the same state (held-back bytes and stop-string tail); under min_tokens a token at
-        # a time (whether a stop string counts depends on the token that ends it).
-        for part in ([outs] if not req.params.min_tokens else [[t] for t in outs]):
-            self._detok[req.request_id].update(part)
+        # the state the stream's had (held-back bytes and stop-string tail): its text is
+        # not sent again.
+        self._detok[req.request_id].update(outs)
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, priority, cache_salt,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 
@@ -26,6 +27,25 @@ def run(router: str, request: gen.GenerateRequest, timeout: float = 120):
 def joined(msgs) -> tuple[list[int], str]:
     """Tokens and text of a stream of responses that carry a `delta` (any service's)."""
     return [t for m in msgs for t in m.delta.token_ids], "".join(m.delta.text for m in msgs)
+
+
+def stream_diff(msgs, token_ids: list[int], text: str) -> str:
+    """Where a stream's tokens and text first part from the reference's, and the messages
+    around that point (each one's token offset, ids and text), for a failure message."""
+    got_ids, got_text = joined(msgs)
+    i = len(os.path.commonprefix([got_ids, token_ids]))  # (any sequences, not only paths)
+    j = len(os.path.commonprefix([got_text, text]))
+    lo, hi = max(j - 40, 0), j + 40
+    lines = [f"{len(got_ids)} ids (want {len(token_ids)}), first different at {i}; "
+             f"{len(got_text)} chars (want {len(text)}), first different at {j}: "
+             f"got {got_text[lo:hi]!r}, want {text[lo:hi]!r}"]
+    ids_at = chars_at = 0
+    for n, m in enumerate(msgs):
+        ids, delta = list(m.delta.token_ids), m.delta.text
+        if chars_at + len(delta) >= lo and chars_at <= hi or ids_at <= i < ids_at + len(ids):
+            lines.append(f"  msg {n}: token {ids_at} ids {ids} text {delta!r}")
+        ids_at, chars_at = ids_at + len(ids), chars_at + len(delta)
+    return "\n".join(lines)
 
 
 def until_served(router: str, req: gen.GenerateRequest, timeout: float = 30.0):

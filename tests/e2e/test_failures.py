@@ -22,6 +22,7 @@ from tests.e2e.helpers import (
     run,
     running_worker,
     stats,
+    stream_diff,
     until_served,
 )
 from tests.e2e.topology import Topology, channel
@@ -182,7 +183,9 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
                 victim = running_worker(cluster, ("d1", "d2", "d3"))
                 cluster["topology"].kill(cluster[victim])
                 killed.append(victim)
-    assert killed and joined(msgs) == (ref.token_ids, ref.text)
+    assert killed
+    assert joined(msgs) == (ref.token_ids, ref.text), (
+        f"{killed[0]} killed: " + stream_diff(msgs, ref.token_ids, ref.text))
     assert msgs[-1].usage.completion_tokens == n
 
 

@@ -86,6 +86,34 @@ def test_random_ids_split_characters(tok) -> None:
         assert not any(d.endswith("\ufffd") for d in deltas[:-1])
 
 
+
+@pytest.mark.parametrize("stop, min_tokens", [((), 0), (("🎉 t", "naïve"), 0), (("é",), 4)])
+def test_a_replay_in_one_update_goes_on_as_the_stream_would(tok, stop, min_tokens) -> None:
+    # A migration (LLMEngine.resume_request): a new detokenizer is given every token
+    # streamed so far in one update(), then goes on one token at a time. Cut anywhere (a
+    # character split over tokens, a stop string's start held back), the text sent before
+    # the cut and after it must be the stream's: nothing held back lost, nothing sent twice.
+    ids = tok.encode(" ".join(MULTIBYTE))
+    prompt = tok.encode(PROMPT)
+
+    def detok():
+        return IncrementalDetokenizer(tok, prompt, stop=stop, min_tokens=min_tokens)
+
+    whole, sent = detok(), []
+    for t in ids:
+        sent.append(whole.update([t]))
+        if whole.stop_matched is not None:
+            break
+    want = "".join(sent) + whole.flush()
+    assert (whole.stop_matched is None) == (not stop), whole.stop_matched
+    assert "" in sent[:-1], "no cut holds text back: this test would prove nothing"
+    for cut in range(1, len(sent)):  # the stream had not ended there
+        resumed = detok()
+        resumed.update(ids[:cut])
+        rest = stream(resumed, ids[cut:])
+        assert "".join(sent[:cut]) + "".join(rest) == want, cut
+        assert resumed.stop_matched == whole.stop_matched, cut
+
 def check_stop(tok, text: str, stop: tuple[str, ...], include: bool = False, step: int = 1):
     ids = tok.encode(text)
     full = tok.decode(ids)

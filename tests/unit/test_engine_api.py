@@ -250,6 +250,29 @@ def test_streamed_deltas_add_up_and_never_show_a_stop_string(llm, ref):
     assert finals[ids["stop"]].finish_reason == "stop"
 
 
+def test_a_resumed_stream_neither_loses_nor_repeats_text(llm):
+    """A migration (a decode worker died mid-stream): another engine's resume_request
+    replays the tokens already streamed, then decodes on. Cut anywhere, a character split
+    over tokens included (its first bytes streamed, its text held back), what was sent
+    before the cut and what is sent after add up to the text of all the tokens."""
+    engine, tok = llm.engine, llm.tokenizer
+    prompt = tok.encode(STORY)
+    before = tok.encode(" Party 🎉 in 世界, naïve")
+    # What the stream had sent at each cut: the text of its tokens up to the last one
+    # that ends a character (a token ending mid-character is held back whole).
+    whole = [tok.decode(before[:k]) for k in range(len(before) + 1)]
+    sent = [next(whole[j] for j in range(k, -1, -1) if not whole[j].endswith("\ufffd"))
+            for k in range(len(before) + 1)]
+    assert sent != whole, "no cut falls inside a character: this test would prove nothing"
+    rids = {k: engine.resume_request(prompt, before[:k], greedy(k + 3, ignore_eos=True))
+            for k in range(1, len(before) + 1)}
+    outs, _ = run_steps(engine)
+    for k, rid in rids.items():
+        after = [t for o in outs[rid] for t in o.new_token_ids]
+        text = sent[k] + "".join(o.new_text for o in outs[rid])
+        assert text == tok.decode(before[:k] + after) == outs[rid][-1].text, (k, text)
+
+
 # ---- abort ---------------------------------------------------------------------------
 
 PROMPTS3 = [STORY, "List three colours of the rainbow:", "def fibonacci(n):\n    "]
