@@ -10,8 +10,8 @@ from baton.router.metrics import RouterMetrics
 from baton.services.engine.outputs import EngineStats
 from baton.services.rpc.metrics import union
 from baton.services.worker.metrics import WorkerMetrics
-from tests.unit.router_fakes import PROMPT, cluster, expected, tokens
-from tests.unit.test_local_prefill import _until, run
+from tests.integration.test_local_prefill import _until, run
+from tests.router_fakes import PROMPT, cluster, expected, tokens
 
 
 def _reader(c):

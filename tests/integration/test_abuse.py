@@ -25,7 +25,7 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import CHANNEL_OPTIONS
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import PROMPT, cluster, expected
+from tests.router_fakes import PROMPT, cluster, expected
 from tests.unit.test_limits import _group, _len_field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,7 +182,7 @@ def test_giant_requests_are_refused_fast_while_health_answers(tok):
                     # The abuser is another process (its own work costs this loop
                     # nothing); it builds its bodies, then sends them each time told.
                     sender = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "tests.unit.test_abuse", base, c.address,
+                        sys.executable, "-m", "tests.integration.test_abuse", base, c.address,
                         cwd=ROOT, stdin=asyncio.subprocess.PIPE,
                         stdout=asyncio.subprocess.PIPE)
                     assert await sender.stdout.readline() == b"ready\n"

@@ -34,8 +34,8 @@ from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected
-from tests.unit.test_abuse import GENERATE, _poll, served_as_ever
+from tests.integration.test_abuse import GENERATE, _poll, served_as_ever
+from tests.router_fakes import MAX_LEN, PROMPT, cluster, expected
 
 MILLION = 1_000_000
 KEYS = ("key-a", "key-b")

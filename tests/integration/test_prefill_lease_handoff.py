@@ -17,7 +17,7 @@ from baton.services.engine.outputs import RequestOutput
 from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.v1 import worker_pb2 as wk
 from baton.v1 import worker_pb2_grpc as wk_grpc
-from tests.unit.test_cluster_token import LAYOUT
+from tests.integration.test_cluster_token import LAYOUT
 
 LEASE = 42
 

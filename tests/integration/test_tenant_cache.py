@@ -20,7 +20,7 @@ from baton.router.openai import app as app_module
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security, key_id
 from baton.services.rpc.server import Lifecycle
-from tests.unit.router_fakes import cluster, expected, tokens
+from tests.router_fakes import cluster, expected, tokens
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
 PROMPT = list(range(300, 369))  # four blocks an engine would reuse, and five tokens

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from baton.services.engine import LLM, SamplingParams
-from tests.unit.engine_helpers import EOS, N_REF, STORY, assert_idle, greedy, run_steps
+from tests.integration.engine_helpers import EOS, N_REF, STORY, assert_idle, greedy, run_steps
 
 pytestmark = pytest.mark.usefixtures("start_clean")
 

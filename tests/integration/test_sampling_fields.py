@@ -15,7 +15,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.engine.config import SpecConfig
 from baton.services.engine.sampler import bad_words_ids
-from tests.unit.engine_helpers import EOS, STORY, greedy, run_steps
+from tests.integration.engine_helpers import EOS, STORY, greedy, run_steps
 
 
 @pytest.fixture(scope="module")

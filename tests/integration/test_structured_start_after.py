@@ -12,8 +12,8 @@ import torch
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.services.rpc.convert import sampling_message, sampling_params
 from baton.v1 import generation_pb2 as gen
-from tests.unit.chat_models import reasoner
-from tests.unit.engine_helpers import assert_idle
+from tests.chat_models import reasoner
+from tests.integration.engine_helpers import assert_idle
 
 YES_NO = ("yes", "no")
 

@@ -16,7 +16,7 @@ from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from tests.unit.router_fakes import PROMPT, cluster, expected, request
+from tests.router_fakes import PROMPT, cluster, expected, request
 
 
 async def _until(condition, timeout: float = 60.0) -> None:

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.v1 import generation_pb2 as gen
-from tests.unit.router_fakes import MAX_LEN, PROMPT, cluster, expected, request, tokens
+from tests.router_fakes import MAX_LEN, PROMPT, cluster, expected, request, tokens
 
 # Latency is the contract of the frozen-worker tests: found silent within the worker
 # timeout (0.5 s here; a poll every 0.05 s), so a request moves on at about 0.55 s idle.

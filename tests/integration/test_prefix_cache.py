@@ -10,7 +10,7 @@ import pytest
 
 from baton.services.common.block_hash import extend_hashes, hash_block
 from baton.services.engine import SamplingParams
-from tests.unit.engine_helpers import kv_gib
+from tests.integration.engine_helpers import kv_gib
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -21,7 +21,7 @@ import pytest
 from baton.router.openai.protocol import ChatRequest
 from baton.router.reply import Caller
 from baton.v1 import generation_pb2 as gen
-from tests.unit.chat_models import ANSWER, REASONING, Server, qwen3_tokenizer, reasoner
+from tests.chat_models import ANSWER, REASONING, Server, qwen3_tokenizer, reasoner
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},

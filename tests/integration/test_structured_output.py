@@ -19,7 +19,7 @@ from baton.services.engine import SamplingParams
 from baton.services.engine.config import SpecConfig
 from baton.services.rpc.convert import logprobs_messages
 from baton.v1 import generation_pb2 as gen
-from tests.unit.engine_helpers import assert_idle, greedy, kv_gib
+from tests.integration.engine_helpers import assert_idle, greedy, kv_gib
 
 SCHEMAS = [
     ("a person", {"type": "object", "properties": {

@@ -24,8 +24,8 @@ from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import MAX_LEN, PROMPT, Cluster, cluster
-from tests.unit.test_abuse import _poll, served_as_ever
+from tests.integration.test_abuse import _poll, served_as_ever
+from tests.router_fakes import MAX_LEN, PROMPT, Cluster, cluster
 
 STALL_S = 0.5  # --stream-stall-timeout here: each stalled stream is cut this long after
 LONG = 40_000  # tokens: a stream that outlasts every test (x 21 within the answer bound)

@@ -21,8 +21,8 @@ from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.topology import free_port
-from tests.unit.router_fakes import cluster
-from tests.unit.test_abuse import GENERATE, _number, _poll, _send_all, served_as_ever
+from tests.integration.test_abuse import GENERATE, _number, _poll, _send_all, served_as_ever
+from tests.router_fakes import cluster
 from tests.unit.test_limits import _len_field
 
 IDS = 60_000_000  # one byte each: a 60 MB request

@@ -14,8 +14,8 @@ from baton.services.common.errors import NotFound
 from baton.services.engine import SamplingParams
 from baton.services.engine.config import EngineConfig
 from baton.services.engine.lora import LoRARequest
+from tests.integration.engine_helpers import kv_gib, run_steps
 from tests.lora_adapters import peft_greedy, save_adapter
-from tests.unit.engine_helpers import kv_gib, run_steps
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = [300, 301, 302, 303, 304]

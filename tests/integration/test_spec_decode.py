@@ -17,7 +17,7 @@ from baton.services.engine import SamplingParams
 from baton.services.engine.config import SpecConfig
 from baton.services.engine.sampler import Sampler, SamplingRow
 from baton.services.engine.spec_decode import NgramIndex
-from tests.unit.engine_helpers import assert_idle, greedy, run_steps
+from tests.integration.engine_helpers import assert_idle, greedy, run_steps
 
 # The batch-size threshold lifted: these tests check the mechanism on batches of 8.
 SPEC = SpecConfig(method="ngram", num_speculative_tokens=4, ngram_min=2, ngram_max=4,

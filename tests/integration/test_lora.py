@@ -14,8 +14,8 @@ from baton.services.common.capacity import AtCapacity
 from baton.services.common.errors import NotFound
 from baton.services.engine import SamplingParams
 from baton.services.engine.lora import LoRARequest
+from tests.integration.engine_helpers import kv_gib, run_steps
 from tests.lora_adapters import peft_forced, peft_greedy, save_adapter
-from tests.unit.engine_helpers import kv_gib, run_steps
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)

@@ -17,7 +17,7 @@ from baton.router.reply import Caller
 from baton.router.server import build
 from baton.services.rpc.server import Lifecycle
 from tests.dns_server import DnsServer
-from tests.unit.router_fakes import FAKES, FakeWorker, _serve, expected, request
+from tests.router_fakes import FAKES, FakeWorker, _serve, expected, request
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from baton.services.common.tokenizer import load_tokenizer
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
-from tests.unit.chat_models import qwen3_tokenizer, qwen3_tokenizer_dir
-from tests.unit.router_fakes import MAX_LEN, VOCAB, cluster
+from tests.chat_models import qwen3_tokenizer, qwen3_tokenizer_dir
+from tests.router_fakes import MAX_LEN, VOCAB, cluster
 
 KEY = "the-key-of-a-caller"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.router.clients import WorkerError
 from baton.v1 import generation_pb2 as gen
-from tests.unit.router_fakes import PROMPT, cluster, expected, request, tokens
+from tests.router_fakes import PROMPT, cluster, expected, request, tokens
 
 
 def run(coro):

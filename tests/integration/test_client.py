@@ -31,7 +31,7 @@ from baton_client import (
     generate_request,
 )
 from baton_client.request import SAMPLING_FIELDS
-from tests.unit.client_fakes import Step, fake_server, overloaded, response
+from tests.integration.client_fakes import Step, fake_server, overloaded, response
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ["sync", "async"]

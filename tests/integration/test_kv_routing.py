@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from baton.router.kv_index import PromptBlocks
-from tests.unit.router_fakes import cluster, expected, tokens
+from tests.router_fakes import cluster, expected, tokens
 
 BS = 16
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from baton.services.engine import SamplingParams
-from tests.unit.engine_helpers import STORY, assert_idle, greedy, run_steps
+from tests.integration.engine_helpers import STORY, assert_idle, greedy, run_steps
 
 
 @pytest.fixture(scope="module")

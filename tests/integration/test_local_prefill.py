@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.router import fallback, registry
 from baton.router.metrics import RouterMetrics
-from tests.unit.router_fakes import PROMPT, cluster, expected, tokens
+from tests.router_fakes import PROMPT, cluster, expected, tokens
 
 
 def run(coro):
