@@ -13,6 +13,9 @@ from baton.services.common.lora_paths import UNREADABLE
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import worker_pb2 as wk
 from tests import router_fakes
+from tests.unit import test_lora_root
+
+tree = test_lora_root.tree  # the fixture, shared
 
 
 def test_every_unreadable_path_gets_one_answer_and_models_show_no_path(tok, tree,
