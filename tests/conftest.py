@@ -1,95 +1,60 @@
-"""Shared fixtures. Every engine made through `make_llm` is checked after every test:
-no request left, every block free with ref count zero."""
+"""The session's hooks: the marks and order, how xdist shares the tests out, and what
+must happen when torch or triton is first imported. The models and engines are fixtures
+of tests/engine_fixtures.py. Nothing here imports torch: the torch-free tests run
+without it (tests/integration/test_torch_free.py)."""
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 import os
-import weakref
-from pathlib import Path
-
-import torch
-
-# Without a GPU, Triton kernels run under Triton's interpreter. It is chosen when a kernel
-# is decorated, so this must be set before anything imports triton.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import sys
 
 import pytest
 
-from baton.services.engine import LLM
-from baton.services.engine.default_model import ensure_default_model
 from tests.xdist_groups import pytest_xdist_make_scheduler  # noqa: F401 (a hook)
 
-# Weak: an engine is checked while its fixture keeps it, and freed with it.
-_ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()
+pytest_plugins = ("tests.engine_fixtures",)
 
 
-@pytest.fixture(scope="session")
-def model_path():
-    return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, model_path) -> Path:
-    """An HF directory of the tiny serving model (tests/tiny_models.py serving_config)."""
-    from baton.services.common.tokenizer import load_tokenizer
-    from tests.tiny_models import build, serving_config
-
-    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    tokenizer = load_tokenizer(model_path)
-    build("llama", folder, tokenizer, cfg=serving_config(len(tokenizer)))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def make_llm(model_path):
-    """Build an LLM over the default model; kwargs are EngineConfig fields."""
-    def make(**kwargs) -> LLM:
-        kwargs.setdefault("kv_cache_gib", 0.25)
-        # On a GPU each engine would take 90% of it; the session keeps several alive.
-        kwargs.setdefault("gpu_memory_utilization", 0.03)
-        llm = LLM(**kwargs)
-        _ENGINES.add(llm)
-        return llm
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def llm(make_llm):
-    """A small fp32 engine shared by a test module."""
-    return make_llm(dtype="float32", max_num_batched_tokens=128, max_num_seqs=16)
-
-
-@pytest.fixture(scope="session")
-def hf_model(model_path):
-    """HF transformers' own Llama, loaded by transformers' own GGUF reader (the reference)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
-@pytest.fixture(autouse=True)
-def pool_invariant():
-    yield
-    for llm in list(_ENGINES):
-        engine = llm.engine
-        assert not engine.has_unfinished_requests(), "a request outlived its test"
-        assert not engine.scheduler.leases, "a KV lease outlived its test"
-        engine.pool.check_all_free()
-
-
-def pytest_configure(config) -> None:
+def _configure_torch(torch) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Two test processes on two cores: one torch thread each, so neither waits on
         # the other's spinning threads (the service tests' workers run one thread too).
         torch.set_num_threads(1)
+
+
+class _FirstImports:
+    """On the first `import triton`: without a GPU, Triton kernels run under Triton's
+    interpreter, chosen when a kernel is decorated, so TRITON_INTERPRET is set before
+    triton loads. On the first `import torch`: its threads, once it has loaded."""
+
+    waiting = {"torch", "triton"}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.waiting:
+            return None
+        self.waiting.discard(name)
+        if name == "triton":
+            import torch
+
+            if not torch.cuda.is_available():
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            return None  # the ordinary finders load triton
+        spec = importlib.util.find_spec(name)  # this finder now passes torch on
+        exec_module = spec.loader.exec_module
+
+        def exec_then_configure(module):
+            exec_module(module)
+            _configure_torch(module)
+
+        spec.loader.exec_module = exec_then_configure
+        return spec
+
+
+if "torch" in sys.modules:  # a plugin imported it first
+    _FirstImports.waiting.discard("torch")
+    _configure_torch(sys.modules["torch"])
+sys.meta_path.insert(0, _FirstImports())
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -7,7 +7,7 @@ that share transformers' reference model (`hf_model`, 30 s to build). xdist's ow
 attribute the scheduler no longer reads), so this scheduler groups by module, from the
 nodeid, reading which shared fixture a module's tests take. It overrides
 `LoadScopeScheduling._split_scope`, which is xdist's own but not public: the lock pins
-xdist, and tests/unit/test_xdist_groups.py checks the grouping under the pinned version."""
+xdist, and tests/integration/test_xdist_groups.py checks the grouping under the pinned version."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from tests.e2e.topology import Topology, channel
 # A restarted prefill worker is polled, paired and used within this: the router's poll
 # interval plus a handshake, the router's and the decode worker's channels each retrying
 # within about 1 s (0.3 s measured idle, 3 s at worst): seconds, where gRPC's own backoff
-# takes minutes once grown (tests/unit/test_worker_channels.py checks the backoff itself).
+# takes minutes once grown (tests/integration/test_worker_channels.py checks the backoff itself).
 PAIRED_WITHIN_S = 30.0
 PROMPTS = ["The three primary colours are", "Paged KV blocks move between workers. " * 5]
 

@@ -1,6 +1,6 @@
 """The default model itself (SmolLM2-135M-Instruct, dequantized from its GGUF in each
 worker process), served disaggregated over NIXL: the greedy text and the chat reply equal
-the offline engine's, which tests/unit/test_hf_parity.py holds to transformers. The other
+the offline engine's, which tests/integration/test_hf_parity.py holds to transformers. The other
 service tests run the tiny serving model: they check mechanics, this checks fidelity."""
 
 from __future__ import annotations

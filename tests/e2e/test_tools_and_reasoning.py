@@ -1,5 +1,5 @@
 """Tool calling and reasoning through the services, colocated and disaggregated, with the
-official `openai` client and gRPC Generate: the tiny Qwen3 of tests/unit/chat_models.py
+official `openai` client and gRPC Generate: the tiny Qwen3 of tests/chat_models.py
 (Qwen3's tokenizer and template; greedy answer "<think>Let</think>Hello") behind routers
 started with --reasoning-parser qwen3, --tool-call-parser hermes,
 --enable-auto-tool-choice and a --chat-template file. A named function's arguments
@@ -16,10 +16,10 @@ import pytest
 
 from baton.v1 import generation_pb2 as gen
 from baton_client import Client, generate_request
+from tests.chat_models import ANSWER, REASONING, TEMPLATE, reasoner
 from tests.e2e.helpers import all_free_within, until_served
 from tests.e2e.topology import Topology
-from tests.unit.chat_models import ANSWER, REASONING, TEMPLATE, reasoner
-from tests.unit.test_tool_calling import ASK, NAMED, TOOLS, WEATHER, joined
+from tests.integration.test_tool_calling import ASK, NAMED, TOOLS, WEATHER, joined
 
 FLAGGED = "{{- '<|im_start|>system\\nFrom the flag.<|im_end|>\\n' -}}\n" + TEMPLATE
 

@@ -1,56 +1,105 @@
-"""Fixtures of the engine API tests (test_engine_*.py, test_sampling_fields.py)."""
+"""What a unit test may not do: start a gRPC server or open a channel, start a process,
+bind or listen on a socket, or load the default model. Those tests live in
+tests/integration (in-process gRPC, fake workers, engines) or tests/e2e (services as
+processes).
+
+The rule holds from each unit test's setup to its teardown, its module's and session's
+fixtures included (an autouse fixture would start after those), through hooks that
+pytest calls only for the items under this folder. gRPC's core opens its sockets without
+Python's `socket`, so its servers and channels are refused by name."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
-from tests.unit.engine_helpers import N_REF, STORY, greedy, kv_gib
+RULE = "tests/unit runs no process, socket, gRPC server or channel, nor the default model"
 
 
-@pytest.fixture(scope="module")
-def small(make_llm, tiny_model):
-    """The tiny serving model, max_model_len 40, priority scheduling, and a KV budget of
-    only 14 blocks (13 usable, 208 tokens): too few for 6 requests of up to 40 tokens (3
-    blocks each). The modules that use it compare it with an `llm` of the same model."""
-    return make_llm(model=str(tiny_model), dtype="float32", max_model_len=40, max_num_seqs=8,
-                    max_num_batched_tokens=128, scheduling_policy="priority",
-                    kv_cache_gib=kv_gib(tiny_model, 13))
+class UnitRuleError(RuntimeError):
+    pass
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model):
-    """HF transformers' own Llama over the tiny model's weights, in fp32 (the reference)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise UnitRuleError(f"{what} in a unit test: {RULE} (move the test to tests/integration)")
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    return refused
 
 
-@pytest.fixture(scope="module")
-def ref(llm):
-    """Greedy reference continuation of STORY, EOS ignored."""
-    out = llm.generate(STORY, greedy(ignore_eos=True))[0]
-    assert len(out.token_ids) == N_REF and out.finish_reason == "length"
-    assert len(out.text) > 60, "reference too short to cut stop strings from"
-    return out
+def _seal(mp: pytest.MonkeyPatch) -> None:
+    import grpc
+    import grpc.aio
+
+    for module, prefix in ((grpc, "grpc"), (grpc.aio, "grpc.aio")):
+        for name in ("server", "insecure_channel", "secure_channel"):
+            mp.setattr(module, name, _refuse(f"{prefix}.{name}"))
+    # Every Popen (run, check_output, call, asyncio's) ends in _execute_child.
+    mp.setattr(subprocess.Popen, "_execute_child", _refuse("starting a process"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            mp.setattr(os, name, _refuse(f"os.{name}"))
+    mp.setattr(socket.socket, "bind", _refuse("socket.bind"))
+    mp.setattr(socket.socket, "listen", _refuse("socket.listen"))
+    # The C++ decode kernel builds in a compiler's process: here decode takes the torch
+    # path (tests/integration/test_cpu_decode_kernel.py runs the kernel).
+    mp.setenv("BATON_CPU_KERNELS", "0")
 
 
-@pytest.fixture
-def start_clean(llm, small):
-    """If an earlier test failed mid-way (and was reported by the conftest invariant),
-    abort what it left behind so the shared engines start this test empty."""
-    for x in (llm, small):
-        for rid in list(x.engine.scheduler.requests):
-            x.engine.abort_request(rid)
-    yield
+@contextlib.contextmanager
+def _sealed():
+    """The rule on, for one phase of one test. The kernel's "off" is not kept past it:
+    a later integration test in this process builds the kernel as ever."""
+    kernel = sys.modules.get("baton.kernels.cpu_decode")
+    failed = kernel._failed if kernel else None
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            _seal(mp)
+            yield
+    finally:
+        kernel = sys.modules.get("baton.kernels.cpu_decode")
+        if kernel is not None and kernel._module is None:
+            kernel._failed = failed
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _sealed():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _sealed():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None:  # the session's own fixtures end here, whoever made them
+        return (yield)
+    with _sealed():
+        return (yield)
 
 
 @pytest.fixture(scope="session")
-def tok(model_path):
-    """The default model's path, with the tokenizer folder the router reads saved."""
-    from baton.services.common.tokenizer import load_tokenizer
+def hf_model():
+    raise UnitRuleError(f"hf_model (the default model in transformers): {RULE}")
 
-    load_tokenizer(model_path)
-    return model_path
+
+@pytest.fixture(scope="session")
+def make_llm(make_llm, model_path):
+    """The engines of tests/engine_fixtures.py, on tiny models only (tests/tiny_models.py)."""
+    def make(**kwargs):
+        model = kwargs.get("model")
+        if model is None or os.path.realpath(model) == os.path.realpath(model_path):
+            raise UnitRuleError(f"an engine of the default model: {RULE}")
+        return make_llm(**kwargs)
+
+    return make
+

@@ -11,9 +11,9 @@ import pytest
 
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
-from tests.unit.chat_models import QWEN3_VOCAB, Server, qwen3_tokenizer_dir
-from tests.unit.router_fakes import FakeWorker
-from tests.unit.test_tool_calling import PARSERS, TOOLS, joined
+from tests.chat_models import QWEN3_VOCAB, Server, qwen3_tokenizer_dir
+from tests.integration.test_tool_calling import PARSERS, TOOLS, joined
+from tests.router_fakes import FakeWorker
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' \
     '\n</tool_call>'

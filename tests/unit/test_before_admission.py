@@ -12,7 +12,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-import grpc
 import httpx
 import pytest
 
@@ -25,8 +24,8 @@ from baton.router.unparsed import ByteBudget, ParseTurns
 from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.errors import Overloaded
 from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, make_server
-from tests.unit.test_abuse_admit import HANG_S, _until
+from baton.services.rpc.server import Lifecycle
+from tests.integration.test_abuse_admit import HANG_S, _until
 
 
 def test_bodies_not_yet_parsed_share_one_budget():
@@ -109,39 +108,6 @@ def test_a_parse_keeps_its_keys_turn_until_it_ends_even_if_its_caller_left():
     asyncio.run(main())
 
 
-def test_the_grpc_server_serves_at_most_its_calls_at_once():
-    async def main():
-        go, serving = asyncio.Event(), []
-
-        async def wait(request, context):
-            serving.append(request)
-            await go.wait()
-            return request
-
-        def register(server):
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-                "toy.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}),))
-            return ["toy.Wait"]
-
-        server = make_server(register, Lifecycle(), max_calls=2)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.unary_unary("/toy.Wait/Wait")
-                held = [asyncio.ensure_future(call(b"x", timeout=HANG_S)) for _ in range(2)]
-                await _until(lambda: len(serving) == 2)
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await call(b"x", timeout=HANG_S)
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                go.set()
-                assert await asyncio.gather(*held) == [b"x", b"x"]
-        finally:
-            await server.stop(0)
-
-    asyncio.run(main())
-    config = RouterConfig()
-    assert config.grpc_calls() == config.http_connections() == 4 * config.max_inflight
 
 
 def test_the_router_serves_its_grpc_calls_within_the_bound(monkeypatch):

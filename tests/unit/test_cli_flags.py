@@ -6,8 +6,6 @@ workers every engine flag."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -17,7 +15,6 @@ from baton.router.config import RouterConfig
 from baton.services.engine.config import EngineConfig, SpecConfig
 from baton.services.rpc.config import ServiceConfig
 from baton.services.worker.config import WorkerConfig
-from tests.e2e.topology import ROOT
 
 
 def _configs(role: str, *argv: str, env: dict | None = None, monkeypatch=None):
@@ -38,14 +35,6 @@ def test_each_variable_is_the_flags_name_and_every_default_is_its_configs():
             assert flag.default == (list(default) if isinstance(default, tuple) else default)
 
 
-def test_help_shows_every_flags_variable_and_default():
-    for role in ("router", "prefill", "decode", "colocated"):
-        out = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", role, "--help"],
-                             capture_output=True, text=True, cwd=ROOT, check=True,
-                             env={"COLUMNS": "300", "PATH": ""}).stdout
-        for flag in FLAGS:
-            if role in flag.roles and not flag.hidden:
-                assert f"--{flag.name}" in out and flag.env in out, (role, flag.name)
 
 
 def test_the_engine_flags_vllm_users_expect_reach_the_engine(monkeypatch):
@@ -63,19 +52,6 @@ def test_boolean_variables_mean_what_they_say(monkeypatch, raw, want):
     assert got["engine"]["enforce_eager"] is want
 
 
-@pytest.mark.parametrize("env, says", [
-    ({"BATON_MAX_NUM_SEQS": "x"}, "BATON_MAX_NUM_SEQS='x': not an integer"),
-    ({"BATON_ENFORCE_EAGER": "maybe"}, "BATON_ENFORCE_EAGER='maybe': not a boolean"),
-    ({"BATON_DTYPE": "int4"}, "BATON_DTYPE='int4': not one of"),
-    ({"BATON_KV_CACHE_GIB": "-1"}, "kv_cache_gib must be > 0"),
-])
-def test_a_bad_value_gets_one_line_naming_it(env, says):
-    proc = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", "decode"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          env={**env, "PATH": ""})
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0], proc.stderr
 
 
 def test_a_flag_of_another_role_is_refused():
@@ -142,29 +118,6 @@ def test_the_loading_flags_reach_the_engine_and_the_router(monkeypatch):
     assert colocated["router"]["served_model_name"] == colocated["engine"]["served_model_name"]
 
 
-def test_the_cluster_token_reaches_each_cluster_role_but_never_help_or_a_childs_argv(
-        monkeypatch):
-    from baton.cli.up import cluster_env
-
-    token = "t0ken-" * 4
-    for role in ("router", "prefill", "decode"):
-        got = _configs(role, env={"BATON_CLUSTER_TOKEN": token}, monkeypatch=monkeypatch)
-        assert ServiceConfig(**got["service"]).cluster_secret() == token
-    # The colocated role has no cluster: its worker is in its own process.
-    assert "cluster_token" not in _configs("colocated", monkeypatch=monkeypatch)["service"]
-    out = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", "decode", "--help"],
-                         capture_output=True, text=True, cwd=ROOT, check=True,
-                         env={"COLUMNS": "300", "PATH": "", "BATON_CLUSTER_TOKEN": token}
-                         ).stdout
-    assert "BATON_CLUSTER_TOKEN" in out and token not in out
-    # baton up: through the environment (ps shows argv), the one given or a fresh one.
-    monkeypatch.delenv("BATON_CLUSTER_TOKEN")
-    args, flags = parse(["up", "--cluster-token", token])
-    assert all(token not in argv_for(args, flags, r) for r in ("prefill", "decode", "router"))
-    assert cluster_env(args)["BATON_CLUSTER_TOKEN"] == token
-    args, _ = parse(["up"])
-    made = [cluster_env(args)["BATON_CLUSTER_TOKEN"] for _ in range(2)]
-    assert made[0] != made[1] and ServiceConfig(cluster_token=made[0]).cluster_secret()
 
 
 def test_the_grammar_compile_bounds_reach_every_engine_and_bad_ones_are_refused(monkeypatch):

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import tracemalloc
 
-import httpx
 import pytest
 
 from baton.router.openai import app as app_module
@@ -19,11 +17,7 @@ from baton.router.openai.render import ROWS, Choice, Renderer
 from baton.router.openai.runs import QUEUED, Run
 from baton.services.common.finish import FinishReason
 from baton.services.common.limits import Limits, OverLimit
-from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from tests.unit.router_fakes import PROMPT, cluster
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -85,31 +79,6 @@ def test_a_whole_response_is_the_json_the_chunks_give(chat):
         assert offsets[ROWS] == sum(len(f"t{k}é") for k in range(ROWS))
 
 
-def test_a_whole_response_is_rendered_off_the_event_loop(tok, monkeypatch):
-    on_loop = []
-    real = Renderer.logprobs
-
-    def logprobs(self, *args):
-        on_loop.append(threading.current_thread() is threading.main_thread())
-        return real(self, *args)
-
-    monkeypatch.setattr(Renderer, "logprobs", logprobs)
-
-    async def main():
-        async with cluster(tok, worker_timeout=60) as c:
-            app = app_module.make_app(c.router, Security(ServiceConfig(), ()), Lifecycle())
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                reply = await client.post("/v1/completions", json={
-                    "model": "fake", "prompt": PROMPT, "max_tokens": 4, "logprobs": 2},
-                    timeout=30)
-        assert reply.status_code == 200, reply.text
-        lp = reply.json()["choices"][0]["logprobs"]
-        assert len(lp["tokens"]) == len(lp["top_logprobs"]) == 4
-        assert all(len(top) == 2 for top in lp["top_logprobs"])
-
-    asyncio.run(main())  # (the loop runs in the main thread)
-    assert on_loop and not any(on_loop), on_loop
 
 
 class _Router:

@@ -25,7 +25,7 @@ from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from tests.unit.router_fakes import cluster
+from tests.router_fakes import cluster
 
 PROTO = Path(__file__).parents[2] / "protos" / "baton" / "v1" / "generation.proto"
 # A model's defaults, as Qwen3's file sets them (and a max_new_tokens).

@@ -30,7 +30,7 @@ from baton.services.rpc.errors import InvalidArgument
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
-from baton_client import AsyncClient, Client, generate_request
+from baton_client import generate_request
 from baton_client.results import chunk_of, finish_name
 from tests.unit.test_openai_errors import call
 
@@ -319,21 +319,6 @@ def test_the_client_sends_structured_output(given, want):
     assert not generate_request("hi").sampling.HasField("structured_output")
 
 
-@pytest.mark.parametrize("bad", [{"regex": "a", "grammar": "b"}, {"xml": "a"}, {},
-                                 {"choice": "yes"}, {"json_object": False}, {"regex": 3},
-                                 gen.StructuredOutput(), "regex"])
-def test_a_bad_client_constraint_is_a_type_error_before_any_call(bad):
-    with Client("127.0.0.1:1") as c:
-        with pytest.raises(TypeError, match="structured_output"):
-            c.generate("hi", structured_output=bad)
-
-    async def main():
-        async with AsyncClient("127.0.0.1:1") as c:
-            with pytest.raises(TypeError, match="structured_output"):
-                c.generate("hi", structured_output=bad)
-            with pytest.raises(TypeError, match="structured_output"):
-                await c.complete("hi", structured_output=bad)
-    asyncio.run(main())
 
 
 # ---- the workers: speculative-decoding counters in GetStats and the metrics -------------

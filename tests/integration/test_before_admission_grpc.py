@@ -1,0 +1,48 @@
+"""The gRPC server serves at most its calls at once (the rest of what comes before
+admission: tests/unit/test_before_admission.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from baton.router.config import RouterConfig
+from baton.services.rpc.server import Lifecycle, make_server
+from tests.integration.test_abuse_admit import HANG_S, _until
+
+
+def test_the_grpc_server_serves_at_most_its_calls_at_once():
+    async def main():
+        go, serving = asyncio.Event(), []
+
+        async def wait(request, context):
+            serving.append(request)
+            await go.wait()
+            return request
+
+        def register(server):
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "toy.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}),))
+            return ["toy.Wait"]
+
+        server = make_server(register, Lifecycle(), max_calls=2)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary("/toy.Wait/Wait")
+                held = [asyncio.ensure_future(call(b"x", timeout=HANG_S)) for _ in range(2)]
+                await _until(lambda: len(serving) == 2)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"x", timeout=HANG_S)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                go.set()
+                assert await asyncio.gather(*held) == [b"x", b"x"]
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+    config = RouterConfig()
+    assert config.grpc_calls() == config.http_connections() == 4 * config.max_inflight

@@ -1,0 +1,100 @@
+"""A prefill worker's answer carries a KV lease: one that never reaches the router must
+not hold the blocks until the lease expires. The router's AbortPrefill covers an answer
+lost after the grant; an answer whose call ends past its deadline is the worker's own to
+end, since the router's abort may have come before the grant (gRPC then drops the answer,
+or it reaches a router past its own deadline, and the call does not read as cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import grpc
+
+from baton.prefill_worker.server import PrefillServicer
+from baton.services.engine.outputs import RequestOutput
+from baton.services.rpc.server import Lifecycle, make_server, service_name
+from baton.worker.v1 import worker_pb2 as wk
+from baton.worker.v1 import worker_pb2_grpc as wk_grpc
+from tests.integration.test_cluster_token import LAYOUT
+
+LEASE = 42
+
+
+class GrantingEngine:
+    """What PrefillServicer touches of an AsyncEngine: each prompt is granted a lease at
+    once, or (`late`) with the event loop held past the call's deadline, so the answer
+    goes out after it with no await in between (as when the grant and the deadline land
+    together on a busy worker). Records the leases released."""
+
+    def __init__(self, late: bool):
+        self.late = late
+        self.context = None  # the Prefill call's (Servicer sets it)
+        self.released: list[tuple[str, int | None]] = []
+        self.engine = SimpleNamespace(kv_layout=LAYOUT, sampling_defaults=None,
+                                      config=SimpleNamespace(kv_lease_timeout_s=30.0))
+
+    async def compile(self, params):
+        return None
+
+    async def generate(self, request_id, add):
+        while self.late and self.context.time_remaining() > 0:
+            time.sleep(0.01)  # the loop held until the deadline has passed
+        yield RequestOutput(request_id, [1, 2, 3], [7], "x", new_token_ids=[7],
+                            kv_block_ids=[1], kv_lease_id=LEASE)
+
+    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        self.released.append((request_id, lease_id))
+        return True
+
+
+class Servicer(PrefillServicer):
+    async def Prefill(self, request, context):
+        self.aengine.context = context
+        return await super().Prefill(request, context)
+
+
+async def _prefill(late: bool) -> tuple[grpc.StatusCode, list]:
+    """One Prefill call with a deadline (a second for the late grant to pass; far more
+    than the call takes, for the one in time): its status, and the leases released."""
+    aengine = GrantingEngine(late)
+    servicer = Servicer(aengine, "prefill-1", "fake", b"", SimpleNamespace(
+        observe=lambda out: None))
+
+    def register(server):
+        wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        return [service_name(wk, "PrefillService")]
+
+    server = make_server(register, Lifecycle())
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                await wk_grpc.PrefillServiceStub(channel).Prefill(
+                    wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
+                    timeout=1.0 if late else 60.0)
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+        deadline = time.monotonic() + 30  # the call's end reaches the worker's callback
+        while late and not aengine.released and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        await server.stop(None)  # every call ended, its callbacks run
+    return code, aengine.released
+
+
+def test_an_answer_past_its_deadline_ends_its_lease_on_the_worker():
+    """Sent past the deadline, the answer is dropped, or (gRPC's timers racing) reaches
+    a caller whose own deadline has passed too: either way the lease is ended here (a
+    handle that arrived all the same fails the decode worker's lease check)."""
+    code, released = asyncio.run(_prefill(late=True))
+    assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK)
+    assert released == [("r1", LEASE)]
+
+
+def test_an_answer_in_time_leaves_its_lease_to_the_decode_worker():
+    code, released = asyncio.run(_prefill(late=False))
+    assert code == grpc.StatusCode.OK and released == []
