@@ -10,22 +10,17 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 
 from baton.router.config import RouterConfig
-from baton.router.openai import app as app_module
-from baton.router.openai.protocol import ChatRequest, CompletionRequest
+from baton.router.openai.protocol import CompletionRequest
 from baton.router.server import build
 from baton.services.common.generation_config import SAMPLING_KEYS, read_generation_config
 from baton.services.common.sampling_params import DEFAULTS
-from baton.services.rpc.config import ServiceConfig
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
-from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
 from baton.v1 import generation_pb2 as gen
-from tests.router_fakes import cluster
 
 PROTO = Path(__file__).parents[2] / "protos" / "baton" / "v1" / "generation.proto"
 # A model's defaults, as Qwen3's file sets them (and a max_new_tokens).
@@ -118,33 +113,6 @@ def test_the_router_resolves_a_request_as_the_worker_does(tmp_path, make_llm, ti
             asyncio.run(router.intake.job(over, INFO))
     finally:
         router.intake.close()
-
-
-def test_a_chat_without_max_tokens_takes_the_models_max_new_tokens(tmp_path, tok):
-    """As vLLM: the model's max_new_tokens, else until the context is full; a request's
-    own max_tokens wins."""
-    folder = _folder(tmp_path, MODEL)
-    most = read_generation_config("auto", folder)[1]["max_tokens"]
-    (unset,) = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}]
-                           ).requests(2048, {"max_tokens": most})
-    assert unset.sampling.max_tokens == most
-
-    async def main():
-        async with cluster(tok, generation_config=str(folder)) as c:
-            app = app_module.make_app(c.router, Security(ServiceConfig(), ()), Lifecycle())
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                async def chat(**kw):
-                    r = await client.post("/v1/chat/completions", timeout=10, json={
-                        "model": "fake", "messages": [{"role": "user", "content": "hi"}],
-                        **kw})
-                    assert r.status_code == 200, r.text
-                    return r.json()["usage"]["completion_tokens"]
-
-                assert await chat() == most
-                assert await chat(max_tokens=3) == 3
-
-    asyncio.run(main())
 
 
 def test_the_router_reads_the_models_own_folder_as_the_workers_do(tmp_path, tiny_model):
