@@ -1,3 +1,3 @@
-from baton.cli.main import main
+from .main import main
 
 main()

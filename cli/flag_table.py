@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from baton.cli.flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
 from baton.services.common.limits import TABLE
 from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.tool_parsers import TOOL_PARSERS
 from baton.services.engine.config import DTYPES
+
+from .flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
 
 FLAGS: list[Flag] = [
     # -- every service

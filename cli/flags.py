@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from baton.cli.flag_spec import (  # noqa: F401 (the names callers take from here)
+from .flag_spec import (  # noqa: F401 (the names callers take from here)
     BUILT_BY,
     CLUSTER,
     CONFIGS,
@@ -23,7 +23,7 @@ from baton.cli.flag_spec import (  # noqa: F401 (the names callers take from her
     WORKERS,
     Flag,
 )
-from baton.cli.flag_table import FLAGS
+from .flag_table import FLAGS
 
 
 class EnvError(SystemExit):

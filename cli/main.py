@@ -19,10 +19,10 @@ import os
 import sys
 import uuid
 
-from baton.cli import generate, up
-from baton.cli.exposure import address as join_address
-from baton.cli.exposure import warn_if_open
-from baton.cli.flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
+from . import generate, up
+from .exposure import address as join_address
+from .exposure import warn_if_open
+from .flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
 DEFAULT_ROLE = "colocated"  # `baton serve MODEL`, as `vllm serve MODEL`
 
@@ -110,7 +110,7 @@ def _serve(args, flags: list[Flag]) -> None:
 
         serve(config)
     else:
-        from baton.cli.colocated import serve
+        from .colocated import serve
 
         serve(config, router)
 

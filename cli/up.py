@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 
-from baton.cli.exposure import address, open_to_anyone, reachable
-from baton.cli.flags import Flag, add_flags, argv_for
 from baton.router.config import RouterConfig
 from baton.services.rpc.config import ServiceConfig, is_loopback
 from baton.services.rpc.processes import dial, spawn, stop_all, wait_healthy
 from baton.services.rpc.security import client_credentials, load_keys
+
+from .exposure import address, open_to_anyone, reachable
+from .flags import Flag, add_flags, argv_for
 
 
 def add_parser(sub, with_flags: bool) -> list[Flag]:

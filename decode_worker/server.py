@@ -24,7 +24,6 @@ from functools import partial
 
 import grpc
 
-from baton.decode_worker.peers import Peers
 from baton.kv_transfer.base import IncompatibleLayout, KVHandle, KVLayout, KVReceiver
 from baton.kv_transfer.connectors import make_receiver
 from baton.kv_transfer.faults import FailingReceiver
@@ -54,6 +53,8 @@ from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.runtime import make_engine, run_worker
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
+
+from .peers import Peers
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,7 @@ from types import ModuleType
 
 import torch
 
-import baton.kernels.reference as reference
-import baton.kernels.torch_attn as torch_attn
+from . import reference, torch_attn
 
 BACKENDS = ("flash-attn", "triton", "torch", "reference")
 log = logging.getLogger(__name__)
@@ -33,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def _flash(block_size: int, head_dim: int, dtype: torch.dtype) -> tuple[ModuleType | None, str]:
     try:
-        import baton.kernels.flash as flash
+        from . import flash
     except ImportError as e:
         return None, f"flash-attn does not import ({e})"
     why = flash.unsupported(block_size, head_dim, dtype)
@@ -44,7 +43,7 @@ def _triton(device: torch.device) -> tuple[ModuleType | None, str]:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "Triton needs CUDA (or TRITON_INTERPRET=1 to interpret it on CPU)"
     try:
-        import baton.kernels.triton_attn as triton_attn
+        from . import triton_attn
     except ImportError as e:
         return None, f"triton does not import ({e})"
     return triton_attn, "triton"

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.metadata import AttentionMetadata
+from .metadata import AttentionMetadata
 
 
 def _load():
@@ -53,9 +53,9 @@ _varlen, BUILD, PAGE_MULTIPLE = _load()
 _PARAMS = inspect.signature(_varlen).parameters
 
 try:
-    from baton.kernels.triton_attn import reshape_and_cache
+    from .triton_attn import reshape_and_cache
 except ImportError:
-    from baton.kernels.torch_attn import reshape_and_cache
+    from .torch_attn import reshape_and_cache
 
 __all__ = ["BUILD", "paged_attention", "reshape_and_cache", "unsupported"]
 

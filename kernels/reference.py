@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.kernels.metadata import AttentionMetadata
+from .metadata import AttentionMetadata
 
 
 def reshape_and_cache(

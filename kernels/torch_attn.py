@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import baton.kernels.cpu_decode as cpu_decode
-from baton.kernels.metadata import AttentionMetadata
+from . import cpu_decode
+from .metadata import AttentionMetadata
 
 
 def reshape_and_cache(

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.kernels.metadata import AttentionMetadata
+from .metadata import AttentionMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

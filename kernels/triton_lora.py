@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.kernels.lora import LoraBatch
+from .lora import LoraBatch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from baton.kv_transfer.base import KVLayout, KVReceiver, KVSender
-    from baton.kv_transfer.grpc_stream import Fetch
+    from .base import KVLayout, KVReceiver, KVSender
+    from .grpc_stream import Fetch
 
 TRANSPORTS = ("nixl", "grpc")
 
@@ -24,11 +24,11 @@ def default_transport() -> str:
 
 def make_sender(transport: str, engine_id: str, layout: KVLayout, kv_caches: list) -> KVSender:
     if transport == "nixl":
-        from baton.kv_transfer.nixl_connector import NixlConnector
+        from .nixl_connector import NixlConnector
 
         return NixlConnector(engine_id, layout, kv_caches)
     if transport == "grpc":
-        from baton.kv_transfer.grpc_stream import GrpcStreamSender
+        from .grpc_stream import GrpcStreamSender
 
         return GrpcStreamSender()
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")
@@ -38,11 +38,11 @@ def make_receiver(transport: str, engine_id: str, layout: KVLayout, kv_caches: l
                   fetch: Fetch | None = None) -> KVReceiver:
     """`fetch(handle, block_ids)` yields block bytes; the gRPC transport needs it."""
     if transport == "nixl":
-        from baton.kv_transfer.nixl_connector import NixlConnector
+        from .nixl_connector import NixlConnector
 
         return NixlConnector(engine_id, layout, kv_caches)
     if transport == "grpc":
-        from baton.kv_transfer.grpc_stream import GrpcStreamReceiver
+        from .grpc_stream import GrpcStreamReceiver
 
         if fetch is None:
             raise ValueError("the gRPC transport needs a fetch function")

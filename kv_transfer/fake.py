@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from baton.kv_transfer.base import (
+from .base import (
     KVHandle,
     KVLayout,
     KVReceiver,
@@ -17,7 +17,7 @@ from baton.kv_transfer.base import (
     TransferState,
     check_caches,
 )
-from baton.kv_transfer.blocks import read_blocks, write_blocks
+from .blocks import read_blocks, write_blocks
 
 _registry: dict[str, list[torch.Tensor]] = {}
 _lock = threading.Lock()

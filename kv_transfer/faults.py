@@ -4,7 +4,7 @@ and the load-failure policy can be exercised end to end (a hidden flag, for test
 
 from __future__ import annotations
 
-from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
+from .base import KVHandle, KVLayout, KVReceiver, TransferState
 
 
 class FailingReceiver(KVReceiver):

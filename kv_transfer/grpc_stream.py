@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from baton.kv_transfer.base import (
+from .base import (
     KVHandle,
     KVLayout,
     KVReceiver,
@@ -24,7 +24,7 @@ from baton.kv_transfer.base import (
     TransferState,
     check_caches,
 )
-from baton.kv_transfer.blocks import write_blocks
+from .blocks import write_blocks
 
 Fetch = Callable[[KVHandle, list[int]], Iterable[bytes]]
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
+from .base import KVHandle, KVLayout, KVReceiver, TransferState
 
 # confirm(handle) starts asking the source whether it still held the handle's lease (and
 # then released it), and returns a future of the answer: True if held. It should not

@@ -27,7 +27,7 @@ from nixl_cu12 import (
     nixl_xfer_handle,
 )
 
-from baton.kv_transfer.base import (
+from .base import (
     IncompatibleLayout,
     KVHandle,
     KVLayout,

@@ -20,7 +20,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from baton.router.chat_output import ChatOutput, NamedCall, RequiredCalls
 from baton.services.common import constraint_limits
 from baton.services.common.errors import shown
 from baton.services.common.limits import Limits
@@ -30,6 +29,8 @@ from baton.services.common.tool_parsers import TOOL_PARSERS
 from baton.services.rpc.convert import structured_message
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
+
+from .chat_output import ChatOutput, NamedCall, RequiredCalls
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.router.chat import ChatSettings
-from baton.router.discovery import Target
-from baton.router.policy import Policy
 from baton.services.common.limits import Limits
 from baton.services.lora.names import parse_lora_module
 from baton.services.rpc.config import ServiceConfig
+
+from .chat import ChatSettings
+from .discovery import Target
+from .policy import Policy
 
 
 @dataclass(frozen=True)

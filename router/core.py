@@ -35,19 +35,20 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from baton.router.clients import WorkerError
-from baton.router.fallback import LocalPrefills, why_no_prefill
-from baton.router.intake import Intake, Job
-from baton.router.lease import PrefillLease
-from baton.router.lora.registry import RouterLoras
-from baton.router.metrics import RouterMetrics
-from baton.router.registry import Registry
-from baton.router.reply import Caller, Reply
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import Overloaded, Unavailable
 from baton.services.rpc.server import status_of
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
+
+from .clients import WorkerError
+from .fallback import LocalPrefills, why_no_prefill
+from .intake import Intake, Job
+from .lease import PrefillLease
+from .lora.registry import RouterLoras
+from .metrics import RouterMetrics
+from .registry import Registry
+from .reply import Caller, Reply
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import time
 
-from baton.router.metrics import RouterMetrics
-from baton.router.registry import Registry, states
+from .metrics import RouterMetrics
+from .registry import Registry, states
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from baton.router.chat import Chat, ChatSettings, check_chat, plan
-from baton.router.chat_output import ChatOutput
-from baton.router.unparsed import ByteBudget, ParseTurns
 from baton.services.common.limits import TABLE, Limits, count
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc.convert import sampling_params
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
+
+from .chat import Chat, ChatSettings, check_chat, plan
+from .chat_output import ChatOutput
+from .unparsed import ByteBudget, ParseTurns
 
 MAX_CHARS_PER_TOKEN = 64
 DEFAULT_MAX_MODEL_LEN = 32768  # the bound before any worker has said its own

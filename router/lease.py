@@ -30,8 +30,9 @@ from collections.abc import Coroutine
 
 import grpc
 
-from baton.router.clients import WorkerError
 from baton.worker.v1 import worker_pb2 as wk
+
+from .clients import WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.router.kv_index import PromptBlocks
+from .kv_index import PromptBlocks
 
 
 @dataclass(frozen=True)

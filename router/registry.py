@@ -42,12 +42,13 @@ from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from baton.router.clients import WorkerClient, WorkerError
-from baton.router.config import RouterConfig
-from baton.router.discovery import Target, resolve
-from baton.router.kv_index import PrefixIndex, PromptBlocks
-from baton.router.policy import Policy
 from baton.worker.v1 import worker_pb2 as wk
+
+from .clients import WorkerClient, WorkerError
+from .config import RouterConfig
+from .discovery import Target, resolve
+from .kv_index import PrefixIndex, PromptBlocks
+from .policy import Policy
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from baton.router.intake import Job
-from baton.router.kv_index import PromptBlocks
-from baton.router.lease import PrefillLease
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
+
+from .intake import Job
+from .kv_index import PromptBlocks
+from .lease import PrefillLease
 
 
 @dataclass

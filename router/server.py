@@ -11,15 +11,6 @@ from pathlib import Path
 
 import grpc
 
-from baton.router import wire
-from baton.router.clients import GrpcWorkerClient, WorkerClient
-from baton.router.config import RouterConfig
-from baton.router.core import Router
-from baton.router.intake import Intake
-from baton.router.lora.registry import RouterLoras
-from baton.router.metrics import RouterMetrics
-from baton.router.registry import Registry, Worker
-from baton.router.reply import Caller
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import DeadlineExceeded
@@ -28,6 +19,16 @@ from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
+
+from . import wire
+from .clients import GrpcWorkerClient, WorkerClient
+from .config import RouterConfig
+from .core import Router
+from .intake import Intake
+from .lora.registry import RouterLoras
+from .metrics import RouterMetrics
+from .registry import Registry, Worker
+from .reply import Caller
 
 GENERATION_METHODS = tuple(method_name(gen, "Generation", m)
                            for m in ("Generate", "Tokenize", "GetModelInfo",
@@ -150,7 +151,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
     security = Security.of(config)
     if config.http_port:
         try:
-            from baton.router.openai.server import HttpServer
+            from .openai.server import HttpServer
         except ImportError as e:  # a router installed without the extra
             raise SystemExit(f"baton: the OpenAI-compatible API (--http-port "
                              f"{config.http_port}) needs `pip install baton[http]` "

@@ -24,12 +24,13 @@ import itertools
 import logging
 import time
 
-from baton.router.clients import WorkerError
-from baton.router.registry import Registry
 from baton.services.lora.names import check_name, parse_lora_module, shown
 from baton.services.lora.paths import UNREADABLE, Unreadable, beneath
 from baton.services.rpc.errors import FailedPrecondition, Missing
 from baton.worker.v1 import worker_pb2 as wk
+
+from ..clients import WorkerError
+from ..registry import Registry
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # a worker's read of one adapter directory

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from baton.router.openai.body import Body, read_body
-from baton.router.openai.render import error_body
+from ..openai.body import Body, read_body
+from ..openai.render import error_body
 
 
 class LoadBody(BaseModel):

@@ -26,21 +26,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.router.core import Router
-from baton.router.lora import routes as lora_routes
-from baton.router.openai import errors, extra_routes
-from baton.router.openai.body import HELD, KEY_ID, parse_body, parsed
-from baton.router.openai.protocol import ChatRequest, CompletionRequest
-from baton.router.openai.render import Choice, Renderer, Tally, error_body, event, param_of
-from baton.router.openai.runs import Run
-from baton.router.openai.streams import EventStream
-from baton.router.reply import Caller
-from baton.router.unparsed import ByteBudget, Held
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import InvalidArgument, Overloaded, ServiceError
 from baton.services.rpc.metrics import union
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, status_of
+
+from ..core import Router
+from ..lora import routes as lora_routes
+from ..reply import Caller
+from ..unparsed import ByteBudget, Held
+from . import errors, extra_routes
+from .body import HELD, KEY_ID, parse_body, parsed
+from .protocol import ChatRequest, CompletionRequest
+from .render import Choice, Renderer, Tally, error_body, event, param_of
+from .runs import Run
+from .streams import EventStream
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Whole responses are rendered here, never on the event loop: two at a time at most, so

@@ -26,10 +26,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
 from baton.services.common.limits import ITEMS, TABLE, Limits, OverLimit, check_bound, count
 from baton.services.rpc.errors import InvalidArgument
+
+from .structured import GUIDED
 
 CHEAP = 4096  # up to this many "{" and "[", and 32 times as many ",": C's json at once
 SLICE = 1 << 20  # bytes counted at a time (the interpreter switches threads between)

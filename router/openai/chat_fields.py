@@ -12,10 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from baton.router.openai.structured import GUIDED
 from baton.services.common import constraint_limits
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
+
+from .structured import GUIDED
 
 # Fields Baton takes and ignores, each harmless to ignore: it changes nothing a model or
 # the server would do for this request.

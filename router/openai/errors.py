@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from baton.router.openai.render import error_body
+from .render import error_body
 
 log = logging.getLogger(__name__)
 

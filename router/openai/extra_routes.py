@@ -31,14 +31,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from baton.router.lora.routes import lora_of_model, not_found
-from baton.router.openai.body import read_body
-from baton.router.openai.chat_fields import Tool
-from baton.router.openai.protocol import ChatMessage, chat_of
-from baton.router.openai.render import error_body
 from baton.services.common.limits import ROUTER_ID_CHARS, Limits
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
+
+from ..lora.routes import lora_of_model, not_found
+from .body import read_body
+from .chat_fields import Tool
+from .protocol import ChatMessage, chat_of
+from .render import error_body
 
 HEADER = "x-request-id"
 REQUEST_ID = "baton.request_id"  # in the ASGI scope: this request's id

@@ -12,7 +12,14 @@ from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.router.openai.chat_fields import (
+from baton.services.common.errors import shown
+from baton.services.common.limits import Limits, OverLimit
+from baton.services.common.sampling_params import DEFAULTS, StructuredOutput
+from baton.services.rpc.convert import sampling_message
+from baton.services.rpc.errors import InvalidArgument
+from baton.v1 import generation_pb2 as gen
+
+from .chat_fields import (
     Tool,
     ToolCall,
     refuse_unknown,
@@ -21,13 +28,7 @@ from baton.router.openai.chat_fields import (
     tool_choice_of,
     tools_of,
 )
-from baton.router.openai.structured import structured_output
-from baton.services.common.errors import shown
-from baton.services.common.limits import Limits, OverLimit
-from baton.services.common.sampling_params import DEFAULTS, StructuredOutput
-from baton.services.rpc.convert import sampling_message
-from baton.services.rpc.errors import InvalidArgument
-from baton.v1 import generation_pb2 as gen
+from .structured import structured_output
 
 
 class StreamOptions(BaseModel):

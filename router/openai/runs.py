@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
-from baton.router.core import Admission, Router
-from baton.router.reply import Caller
 from baton.v1 import generation_pb2 as gen
+
+from ..core import Admission, Router
+from ..reply import Caller
 
 QUEUED = 64  # replies of a request waiting for its client, over all of its choices
 

@@ -29,12 +29,13 @@ import grpc
 import uvicorn
 from uvicorn.protocols.http import h11_impl
 
-from baton.router.config import RouterConfig
-from baton.router.core import Router
-from baton.router.openai.app import make_app
-from baton.router.openai.render import error_body
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle
+
+from ..config import RouterConfig
+from ..core import Router
+from .app import make_app
+from .render import error_body
 
 HEADER_BYTES = 64 * 1024
 KEEP_ALIVE_S = 5  # uvicorn's default

@@ -50,7 +50,7 @@ def read_generation_config(source: str, model_dir: Path) -> tuple[tuple[int, ...
     if defaults.get("top_k") == 0:  # HF's "off"; ours is -1
         defaults["top_k"] = -1
     try:  # a bad default would fail every request that leaves it unset: fail here
-        from baton.services.common.sampling_params import SamplingParams
+        from .sampling_params import SamplingParams
 
         SamplingParams(**defaults)
     except (ValueError, TypeError) as e:

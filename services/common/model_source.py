@@ -38,7 +38,7 @@ def resolve_model(model: str | Path | None, revision: str | None = None,
     none. `check(config: dict)`, for a hub id, sees its config.json before any weight is
     fetched, and raises to refuse it (an architecture Baton does not serve)."""
     if model is None:
-        from baton.services.common.default_model import ensure_default_model
+        from .default_model import ensure_default_model
 
         return ensure_default_model()
     if is_local(model):
@@ -71,7 +71,7 @@ def model_name(model: str | Path | None, path: Path | None = None) -> str:
     """The model's name, the same on every host however it was given: a hub id (also for
     a path into a hub cache snapshot), else the file or folder name."""
     if model is None:
-        from baton.services.common.default_model import GGUF_NAME
+        from .default_model import GGUF_NAME
 
         return GGUF_NAME
     snapshot = _SNAPSHOT.search(Path(path or model).resolve().as_posix())

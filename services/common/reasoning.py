@@ -15,7 +15,7 @@ dropped, whole or streamed alike, so a stream's deltas join to what `parse` give
 
 from __future__ import annotations
 
-from baton.services.common.json_stream import WS
+from .json_stream import WS
 
 
 class ReasoningParser:

@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from baton.services.common import constraint_limits
-from baton.services.common.errors import shown
-from baton.services.common.limits import check_ceilings
+from . import constraint_limits
+from .errors import shown
+from .limits import check_ceilings
 
 _EPS = 1e-5
 

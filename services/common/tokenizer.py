@@ -24,7 +24,7 @@ from typing import cast
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from baton.services.common.plain_content import plain_content
+from .plain_content import plain_content
 
 
 def tokenizer_dir(model: str | Path) -> Path:

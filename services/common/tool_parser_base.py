@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from baton.services.common.json_stream import WS, JsonError
+from .json_stream import WS, JsonError
 
 MAX_NAME = 256  # characters in a function or parameter name
 

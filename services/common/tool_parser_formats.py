@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import re
 
-from baton.services.common.json_stream import WS, JsonError, JsonStream, compact
-from baton.services.common.tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
+from .json_stream import WS, JsonError, JsonStream, compact
+from .tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
 
 
 class Envelope(Call):

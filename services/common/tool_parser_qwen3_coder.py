@@ -21,8 +21,8 @@ import json
 import math
 import re
 
-from baton.services.common.json_stream import MAX_SCALAR, NUMBER, WS, dump, escape
-from baton.services.common.tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
+from .json_stream import MAX_SCALAR, NUMBER, WS, dump, escape
+from .tool_parser_base import MAX_NAME, Bad, Body, Call, ToolParser
 
 _FUNC, _PARAM = "<function=", "<parameter="
 _PARAM_END, _FUNC_END, _CALL_END = "</parameter>", "</function>", "</tool_call>"

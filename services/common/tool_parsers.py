@@ -9,13 +9,13 @@ equal to whole-text parsing); each format's module its own syntax.
 
 from __future__ import annotations
 
-from baton.services.common.tool_parser_base import ToolCall, ToolCallDelta, ToolParser, tool_call_id
-from baton.services.common.tool_parser_formats import (
+from .tool_parser_base import ToolCall, ToolCallDelta, ToolParser, tool_call_id
+from .tool_parser_formats import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
 )
-from baton.services.common.tool_parser_qwen3_coder import Qwen3CoderToolParser
+from .tool_parser_qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,

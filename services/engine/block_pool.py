@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from baton.services.common.kv_events import KvEventLog
+from ..common.kv_events import KvEventLog
 
 
 class KVCacheBlock:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from baton.kv_transfer.base import KVLayout
-from baton.services.common import model_source
-from baton.services.common.generation_config import read_generation_config
-from baton.services.common.tokenizer import load_tokenizer, read_chat_template
-from baton.services.engine.config import EngineConfig
-from baton.services.engine.loader import load_checkpoint, resolve_model_path
-from baton.services.engine.model_config import ModelConfig
-from baton.services.engine.model_runner import ModelRunner
+
+from ..common import model_source
+from ..common.generation_config import read_generation_config
+from ..common.tokenizer import load_tokenizer, read_chat_template
+from .config import EngineConfig
+from .loader import load_checkpoint, resolve_model_path
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.services.lora.names import parse_lora_module
+from ..lora.names import parse_lora_module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

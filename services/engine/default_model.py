@@ -2,15 +2,15 @@
 tokenizer beside it and write its dequantized copy (the fetch lives in services/common,
 torch-free, for the router)."""
 
-from baton.services.common.default_model import (  # noqa: F401 - re-exported
+from ..common.default_model import (  # noqa: F401 - re-exported
     DEFAULT_MODEL_NAME,
     default_model_path,
     ensure_default_model,
 )
 
 if __name__ == "__main__":
-    from baton.services.common.tokenizer import load_tokenizer
-    from baton.services.engine.loader import load_checkpoint
+    from ..common.tokenizer import load_tokenizer
+    from .loader import load_checkpoint
 
     model = ensure_default_model()
     load_tokenizer(model)  # saves tokenizer.json beside it, for the torch-free router

@@ -15,7 +15,7 @@ from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from baton.services.engine.stop_matcher import StopMatcher
+from .stop_matcher import StopMatcher
 
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"

@@ -17,26 +17,27 @@ import time
 from collections.abc import Callable
 
 from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver
-from baton.services.common.kv_events import KvEventLog
-from baton.services.common.limits import check_ceilings
-from baton.services.common.sampling_params import SamplingParams
-from baton.services.common.tokenizer import (
+
+from ..common.kv_events import KvEventLog
+from ..common.limits import check_ceilings
+from ..common.sampling_params import SamplingParams
+from ..common.tokenizer import (
     apply_chat_template,
 )
-from baton.services.engine.block_pool import BlockPool
-from baton.services.engine.build import load
-from baton.services.engine.config import EngineConfig
-from baton.services.engine.detokenizer import IncrementalDetokenizer
-from baton.services.engine.grammar_compiler import GrammarCompiler
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.outputs import EngineStats, ModelInfo, RequestOutput
-from baton.services.engine.request import Request, RequestStatus
-from baton.services.engine.request_output import request_output
-from baton.services.engine.sampler import bad_words_ids
-from baton.services.engine.scheduler import Scheduler
-from baton.services.engine.spec_decode import NgramProposer
-from baton.services.lora.adapter import LoRARequest
-from baton.services.lora.registry import EngineLoras
+from ..lora.adapter import LoRARequest
+from ..lora.registry import EngineLoras
+from .block_pool import BlockPool
+from .build import load
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .grammar_compiler import GrammarCompiler
+from .kv_cache_manager import KVCacheManager
+from .outputs import EngineStats, ModelInfo, RequestOutput
+from .request import Request, RequestStatus
+from .request_output import request_output
+from .sampler import bad_words_ids
+from .scheduler import Scheduler
+from .spec_decode import NgramProposer
 
 log = logging.getLogger(__name__)
 

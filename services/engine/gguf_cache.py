@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from baton.services.common.default_model import cache_dir
+from ..common.default_model import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
-from baton.services.common.capacity import AtCapacity
-from baton.services.common.sampling_params import StructuredOutput
-from baton.services.engine.structured_output import GrammarState
+from ..common.capacity import AtCapacity
+from ..common.sampling_params import StructuredOutput
+from .structured_output import GrammarState
 
 if TYPE_CHECKING:  # xgrammar itself is imported on first use
     from xgrammar import CompiledGrammar

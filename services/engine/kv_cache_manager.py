@@ -3,9 +3,9 @@ cache lookups in front of it."""
 
 from __future__ import annotations
 
-from baton.services.common.block_hash import extend_hashes
-from baton.services.engine.block_pool import BlockPool, KVCacheBlock
-from baton.services.engine.request import Request
+from ..common.block_hash import extend_hashes
+from .block_pool import BlockPool, KVCacheBlock
+from .request import Request
 
 
 class KVCacheManager:

@@ -35,9 +35,10 @@ import logging
 import time
 
 from baton.kv_transfer.base import KVReceiver, TransferState
-from baton.services.engine.block_pool import KVCacheBlock
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.request import Request
+
+from .block_pool import KVCacheBlock
+from .kv_cache_manager import KVCacheManager
+from .request import Request
 
 log = logging.getLogger(__name__)
 

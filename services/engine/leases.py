@@ -35,8 +35,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.request import Request
+from .kv_cache_manager import KVCacheManager
+from .request import Request
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from baton.services.common.sampling_params import SamplingParams
-from baton.services.engine.config import EngineConfig
-from baton.services.engine.engine import LLMEngine, ReceiverFactory
-from baton.services.engine.outputs import RequestOutput
-from baton.services.lora.adapter import LoRARequest
+from ..common.sampling_params import SamplingParams
+from ..lora.adapter import LoRARequest
+from .config import EngineConfig
+from .engine import LLMEngine, ReceiverFactory
+from .outputs import RequestOutput
 
 
 class LLM:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from baton.services.common.model_source import resolve_model
-from baton.services.engine.gguf_cache import read_converted, write_through
-from baton.services.engine.model_config import ModelConfig
+from ..common.model_source import resolve_model
+from .gguf_cache import read_converted, write_through
+from .model_config import ModelConfig
 
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,7 +50,7 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
 
 
 def _check_architecture(config: dict) -> None:
-    from baton.services.engine.model_config import ARCHITECTURES, unsupported_architecture
+    from .model_config import ARCHITECTURES, unsupported_architecture
 
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     if arch not in ARCHITECTURES:

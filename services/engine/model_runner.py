@@ -14,17 +14,18 @@ import torch
 import baton.kernels.backend as kernels
 from baton.kernels.lora import LoraBatch
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
-from baton.services.common.sampling_params import SamplingParams
-from baton.services.engine.config import EngineConfig
-from baton.services.engine.cuda_graphs import CudaGraphRunner
-from baton.services.engine.model_config import ModelConfig
-from baton.services.engine.models import model_class
-from baton.services.engine.outputs import SampledTokens
-from baton.services.engine.request import Request
-from baton.services.engine.sampler import Sampler, SamplingRow, to_device
-from baton.services.engine.scheduler import SchedulerOutput
-from baton.services.engine.structured_output import BatchMask
-from baton.services.lora.slots import LayerLora, LoraSlots
+
+from ..common.sampling_params import SamplingParams
+from ..lora.slots import LayerLora, LoraSlots
+from .config import EngineConfig
+from .cuda_graphs import CudaGraphRunner
+from .model_config import ModelConfig
+from .models import model_class
+from .outputs import SampledTokens
+from .request import Request
+from .sampler import Sampler, SamplingRow, to_device
+from .scheduler import SchedulerOutput
+from .structured_output import BatchMask
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.services.common.finish import FinishReason
+from ..common.finish import FinishReason
 
 
 @dataclass

@@ -8,11 +8,12 @@ import time
 import torch
 
 from baton.kv_transfer.base import KVHandle
-from baton.services.common.block_hash import extra_keys
-from baton.services.common.finish import FinishReason
-from baton.services.common.sampling_params import SamplingParams
-from baton.services.engine.ngram_index import NgramIndex
-from baton.services.engine.structured_output import GrammarState
+
+from ..common.block_hash import extra_keys
+from ..common.finish import FinishReason
+from ..common.sampling_params import SamplingParams
+from .ngram_index import NgramIndex
+from .structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

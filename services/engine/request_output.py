@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from baton.services.engine.detokenizer import IncrementalDetokenizer
-from baton.services.engine.outputs import RequestOutput
-from baton.services.engine.request import Request, RequestStatus
+from .detokenizer import IncrementalDetokenizer
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
 
 
 def request_output(req: Request, new_ids: list[int], delta: str,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.services.common.sampling_params import SamplingParams
+from ..common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -29,11 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.kv_transfer.base import KVReceiver
-from baton.services.engine.kv_cache_manager import KVCacheManager
-from baton.services.engine.kv_loader import RemoteKVLoader
-from baton.services.engine.leases import LeaseTable
-from baton.services.engine.outputs import SampledTokens
-from baton.services.engine.request import Request, RequestStatus
+
+from .kv_cache_manager import KVCacheManager
+from .kv_loader import RemoteKVLoader
+from .leases import LeaseTable
+from .outputs import SampledTokens
+from .request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 

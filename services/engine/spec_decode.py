@@ -20,9 +20,9 @@ nearly k + 1 times as much, and no request drafts (see docs/benchmarks.md, W5).
 
 from __future__ import annotations
 
-from baton.services.engine.config import SpecConfig
-from baton.services.engine.ngram_index import NgramIndex
-from baton.services.engine.request import Request
+from .config import SpecConfig
+from .ngram_index import NgramIndex
+from .request import Request
 
 
 class NgramProposer:

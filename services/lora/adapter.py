@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.services.engine.model_config import ModelConfig
-from baton.services.lora.names import check_name, shown
-from baton.services.lora.paths import Unreadable, beneath
+from ..engine.model_config import ModelConfig
+from .names import check_name, shown
+from .paths import Unreadable, beneath
 
 # HF module -> (our fused projection, which part of it).
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import weakref
 
-from baton.services.lora.adapter import LoRARequest
-from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
-from baton.services.worker.async_engine import AsyncEngine
 from baton.worker.v1 import worker_pb2 as wk
+
+from ..rpc.errors import FailedPrecondition, InvalidArgument
+from ..worker.async_engine import AsyncEngine
+from .adapter import LoRARequest
 
 MAX_PATH_CHARS = 4096
 # Per engine: (name, path, version) -> the read in flight (event-loop state).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from baton.services.common.errors import shown
+from ..common.errors import shown
 
 _NAME = re.compile(r"[\w.:@+/-]{1,128}", re.ASCII)
 

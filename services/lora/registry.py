@@ -32,12 +32,12 @@ import logging
 import os
 from collections.abc import Callable
 
-from baton.services.common.errors import NotFound
-from baton.services.engine.model_config import ModelConfig
-from baton.services.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
-from baton.services.lora.names import check_name, parse_lora_module, shown
-from baton.services.lora.paths import Unreadable, beneath
-from baton.services.lora.slots import LoraSlots
+from ..common.errors import NotFound
+from ..engine.model_config import ModelConfig
+from .adapter import LoRAAdapter, LoRARequest, load_adapter
+from .names import check_name, parse_lora_module, shown
+from .paths import Unreadable, beneath
+from .slots import LoraSlots
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,10 @@ import torch
 
 from baton.kernels.lora import LoraBatch
 from baton.kernels.lora import add_lora as torch_add_lora
-from baton.services.common.capacity import AtCapacity
-from baton.services.engine.model_config import ModelConfig
-from baton.services.lora.adapter import LoRAAdapter, projection_shapes
+
+from ..common.capacity import AtCapacity
+from ..engine.model_config import ModelConfig
+from .adapter import LoRAAdapter, projection_shapes
 
 
 class LayerLora:

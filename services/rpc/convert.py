@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import cast
 
-from baton.services.common.finish import FinishReason
-from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.v1 import generation_pb2 as gen
+
+from ..common.finish import FinishReason
+from ..common.sampling_params import SamplingParams, StructuredOutput
 
 # The one mapping between FinishReason and the wire's enum (FINISH_REASON_<NAME>); None is
 # UNSPECIFIED: the request goes on.

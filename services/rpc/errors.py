@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import grpc
 
-from baton.services.common.capacity import AtCapacity
-from baton.services.common.errors import NotFound
+from ..common.capacity import AtCapacity
+from ..common.errors import NotFound
 
 
 class ServiceError(Exception):

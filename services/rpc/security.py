@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from baton.services.rpc.cluster import ClusterToken
-from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.server import CHANNEL_OPTIONS
+from .cluster import ClusterToken
+from .config import ServiceConfig
+from .server import CHANNEL_OPTIONS
 
 
 def _read(path: str | None) -> bytes | None:

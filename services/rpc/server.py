@@ -30,10 +30,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from baton.kv_transfer.base import IncompatibleLayout
-from baton.services.common.capacity import RETRY_AFTER_S, AtCapacity
-from baton.services.common.errors import NotFound
-from baton.services.rpc.config import DRAIN_GRACE_S
-from baton.services.rpc.errors import InvalidArgument, ServiceError, retry_metadata
+
+from ..common.capacity import RETRY_AFTER_S, AtCapacity
+from ..common.errors import NotFound
+from .config import DRAIN_GRACE_S
+from .errors import InvalidArgument, ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import time
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
-from baton.services.rpc.config import ServiceConfig
+from .config import ServiceConfig
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _provider = None

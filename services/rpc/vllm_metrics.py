@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from baton.services.common.finish import FinishReason
-from baton.services.rpc.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+from ..common.finish import FinishReason
+from .metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 
 # Gauges and counters that the router and the workers both read at scrape time.
 RUNNING = "vllm:num_requests_running"

@@ -24,10 +24,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from baton.services.common.finish import FinishReason
-from baton.services.engine.engine import LLMEngine
-from baton.services.engine.outputs import EngineStats, RequestOutput
-from baton.services.rpc.errors import Overloaded
+from ..common.finish import FinishReason
+from ..engine.engine import LLMEngine
+from ..engine.outputs import EngineStats, RequestOutput
+from ..rpc.errors import Overloaded
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.services.engine.config import EngineConfig
-from baton.services.rpc.config import ServiceConfig
+from ..engine.config import EngineConfig
+from ..rpc.config import ServiceConfig
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ wire's SamplingParams becomes the engine's in services/rpc/convert.py
 from __future__ import annotations
 
 from baton.kv_transfer.base import KVLayout
-from baton.services.engine.outputs import ModelInfo, RequestOutput
-from baton.services.rpc.convert import FINISH, logprobs_messages, set_stop_reason
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
+
+from ..engine.outputs import ModelInfo, RequestOutput
+from ..rpc.convert import FINISH, logprobs_messages, set_stop_reason
 
 
 def layout_message(layout: KVLayout) -> wk.KvLayout:

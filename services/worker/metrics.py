@@ -8,9 +8,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
-from baton.services.worker.vllm_metrics import VllmMetrics
+from ..rpc.config import ServiceConfig
+from ..rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
+from .vllm_metrics import VllmMetrics
 
 GAUGES = {  # name: (help, from the stats snapshot)
     "baton:num_requests_running": ("Requests in the running batch",

@@ -9,18 +9,19 @@ from collections.abc import Callable
 
 import grpc
 
-from baton.services.engine.config import EngineConfig
-from baton.services.engine.engine import LLMEngine, ReceiverFactory
-from baton.services.rpc import tracing
-from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
-from baton.services.worker.async_engine import AsyncEngine
-from baton.services.worker.config import WorkerConfig
-from baton.services.worker.metrics import WorkerMetrics
-from baton.services.worker.watchdog import watch
-from baton.services.worker.worker_service import WorkerServicer
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
+
+from ..engine.config import EngineConfig
+from ..engine.engine import LLMEngine, ReceiverFactory
+from ..rpc import tracing
+from ..rpc.security import Security
+from ..rpc.server import Lifecycle, method_name, run_server, service_name
+from .async_engine import AsyncEngine
+from .config import WorkerConfig
+from .metrics import WorkerMetrics
+from .watchdog import watch
+from .worker_service import WorkerServicer
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import time
 
 from opentelemetry.context import Context
 
-from baton.services.engine.outputs import RequestOutput
-from baton.services.rpc import tracing
+from ..engine.outputs import RequestOutput
+from ..rpc import tracing
 
 
 def prompt(out: RequestOutput, parent: Context) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.services.engine.outputs import EngineStats, RequestOutput
-from baton.services.rpc import vllm_metrics as names
-from baton.services.rpc.vllm_metrics import VllmRequestMetrics
+from ..engine.outputs import EngineStats, RequestOutput
+from ..rpc import vllm_metrics as names
+from ..rpc.vllm_metrics import VllmRequestMetrics
 
 
 def _kv_usage(s: EngineStats) -> float:

@@ -9,8 +9,8 @@ import asyncio
 import logging
 import time
 
-from baton.services.rpc.server import Lifecycle
-from baton.services.worker.async_engine import AsyncEngine
+from ..rpc.server import Lifecycle
+from .async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 import asyncio
 
 from baton.kv_transfer.blocks import read_blocks
-from baton.services.common.errors import shown
-from baton.services.lora import calls as lora_calls
-from baton.services.rpc.errors import FailedPrecondition, InvalidArgument
-from baton.services.rpc.server import Lifecycle
-from baton.services.worker.async_engine import AsyncEngine
-from baton.services.worker.messages import layout_message, model_info_message
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
+
+from ..common.errors import shown
+from ..lora import calls as lora_calls
+from ..rpc.errors import FailedPrecondition, InvalidArgument
+from ..rpc.server import Lifecycle
+from .async_engine import AsyncEngine
+from .messages import layout_message, model_info_message
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
 

@@ -19,8 +19,9 @@ import statistics
 import sys
 
 from baton.services.rpc.processes import spawn, stop_all, wait_healthy
-from baton.tools.bench.serve import ENV, kv_shape, pct, run_load, warm_up, worker_stats
-from baton.tools.bench.workloads import make_workload
+
+from .serve import ENV, kv_shape, pct, run_load, warm_up, worker_stats
+from .workloads import make_workload
 
 PREFILL, DECODES, ROUTER = "127.0.0.1:50361", ("127.0.0.1:50371", "127.0.0.1:50372"), \
     "127.0.0.1:50351"

@@ -27,8 +27,9 @@ from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.llm import LLM
 from baton.services.engine.model_config import ModelConfig
 from baton.services.lora.adapter import TARGETS, LoRARequest, projection_shapes
-from baton.tools.bench.machine import machine_line, trim
-from baton.tools.bench.workloads import Workload, make_workload
+
+from .machine import machine_line, trim
+from .workloads import Workload, make_workload
 
 
 def parse_counts(text: str) -> list[int]:

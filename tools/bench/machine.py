@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.tools.bench.workloads import Workload
+from .workloads import Workload
 
 # The CPU flags the bf16 matmul speed (and so every ratio) hinges on.
 MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "avx2")
@@ -15,7 +15,7 @@ MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "a
 def machine_line(mc, dtype: torch.dtype) -> str:
     """The CPU, its matmul flags, and the best matmul GFLOP/s measured now at the model's
     shapes: M = 64 (a decode batch) and M = 2048 (a prefill)."""
-    from baton.tools.bench.profile_step import roofline
+    from .profile_step import roofline
 
     name, flags = "unknown CPU", set()
     try:

@@ -30,8 +30,9 @@ from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.llm import LLM
 from baton.services.engine.loader import load_checkpoint, resolve_model_path
 from baton.services.engine.model_config import Rope
-from baton.tools.bench.machine import machine_line, trim
-from baton.tools.bench.workloads import Workload, make_workload
+
+from .machine import machine_line, trim
+from .workloads import Workload, make_workload
 
 
 def run_baton(llm: LLM, wl: Workload) -> float:
@@ -152,7 +153,7 @@ def main() -> None:
     if args.rank < 1:
         ap.error(f"--rank {args.rank}: expected at least 1")
     if args.loras is not None:
-        from baton.tools.bench.lora import parse_counts, run_loras
+        from .lora import parse_counts, run_loras
 
         try:
             parse_counts(args.loras)

@@ -22,7 +22,8 @@ import torch
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.llm import LLM
 from baton.services.engine.models import layers
-from baton.tools.bench.workloads import make_workload
+
+from .workloads import make_workload
 
 PARTS = ("matmul", "attention", "kv write", "norm", "rope", "lm head", "sampling",
          "embedding")

@@ -28,11 +28,12 @@ import grpc
 from baton.kv_transfer.base import KVLayout
 from baton.services.rpc.cluster import ClusterToken
 from baton.services.rpc.processes import spawn, stop_all, wait_healthy
-from baton.tools.bench.workloads import make_workload
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
+
+from .workloads import make_workload
 
 PORTS = {"router": 50251, "prefill": 50261, "decode": 50271, "colocated": 50281,
          "http": 50252}

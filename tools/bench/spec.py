@@ -24,7 +24,8 @@ import torch
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.config import SpecConfig
 from baton.services.engine.llm import LLM
-from baton.tools.bench.workloads import make_workload
+
+from .workloads import make_workload
 
 INSTRUCTIONS = [
     "Explain how a bicycle works.", "Describe a busy train station in the morning.",

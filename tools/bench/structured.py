@@ -19,7 +19,8 @@ import torch
 
 from baton.services.common.sampling_params import SamplingParams, StructuredOutput
 from baton.services.engine.llm import LLM
-from baton.tools.bench.workloads import make_workload
+
+from .workloads import make_workload
 
 # At least 64 strings: no row can complete it within its 128 tokens, so both sides
 # produce exactly 128 tokens a row and the ratio is the mask's cost alone.

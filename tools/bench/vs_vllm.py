@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from baton.services.common.default_model import cache_dir
-from baton.tools.bench.workloads import make_workload
+
+from .workloads import make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 # vLLM's venv has no Baton installed: the checkout's root and protos/ (where `baton` is).
@@ -35,7 +36,8 @@ RUNS = [("W1", "w1", True), ("W2 caching off", "w2", False), ("W2 caching on", "
 def baton_child(workload: str, caching: bool) -> None:
     """One run in this process (the child side): one JSON line."""
     from baton.services.engine.llm import LLM
-    from baton.tools.bench.offline import run_baton
+
+    from .offline import run_baton
 
     llm = LLM(dtype="bfloat16", kv_cache_gib=4.0, enable_prefix_caching=caching)
     wl = make_workload(workload, llm.engine.model_config.vocab_size)

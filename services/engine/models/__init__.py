@@ -5,11 +5,11 @@ unknown one before loading anything)."""
 
 from __future__ import annotations
 
-from baton.services.engine.model_config import ARCHITECTURES, unsupported_architecture
-from baton.services.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from baton.services.engine.models.llama import LlamaForCausalLM
-from baton.services.engine.models.mistral import MistralForCausalLM
-from baton.services.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from ..model_config import ARCHITECTURES, unsupported_architecture
+from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .llama import LlamaForCausalLM
+from .mistral import MistralForCausalLM
+from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM,
                                         Qwen2ForCausalLM, Qwen3ForCausalLM,

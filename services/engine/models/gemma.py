@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.services.engine.models.llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kernels.metadata import AttentionMetadata
-from baton.services.engine.model_config import ModelConfig, Rope
+
+from ..model_config import ModelConfig, Rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kernels.metadata import AttentionMetadata
-from baton.services.engine.model_config import ModelConfig
-from baton.services.engine.models.layers import (
+
+from ..model_config import ModelConfig
+from .layers import (
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,

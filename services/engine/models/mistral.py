@@ -9,7 +9,7 @@ with its length as for full attention, and the prefix cache works unchanged.
 
 from __future__ import annotations
 
-from baton.services.engine.models.llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -10,7 +10,7 @@ Both switches live in the shared Attention (models/layers.py), read from the con
 
 from __future__ import annotations
 
-from baton.services.engine.models.llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
