@@ -9,7 +9,7 @@ import json
 import grpc
 import pytest
 
-from baton.services.common.lora_paths import UNREADABLE
+from baton.services.lora.paths import UNREADABLE
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 from tests import router_fakes
