@@ -114,56 +114,44 @@ def _field_shape(message: pb.DescriptorProto, f: pb.FieldDescriptorProto) -> dic
             "JSON name": f.json_name}
 
 
-def _fields(name: str, old: pb.DescriptorProto, new: pb.DescriptorProto) -> list[str]:
+def _numbered(name: str, old, new, olds, news, kind: str, inclusive: bool,
+              shape=None) -> list[str]:
+    """A message's fields or an enum's values (`kind`), old against new: kept with their
+    numbers (and `shape`, where given), or reserved by number and name when removed;
+    none takes a number or name the release reserved. Enum ranges include their end."""
     out = []
-    by_name = {f.name: f for f in new.field}
-    by_number = {f.number: f for f in new.field}
-    for f in old.field:
-        where = f"{name}.{f.name} = {f.number}"
-        g = by_name.get(f.name)
-        if g is not None:
-            if g.number != f.number:
-                out.append(f"{where}: renumbered to {g.number}")
-                continue
-            was, now = _field_shape(old, f), _field_shape(new, g)
-            out += [f"{where}: {k} changed from {was[k]} to {now[k]}"
-                    for k in was if was[k] != now[k]]
-        elif f.number in by_number:
-            out.append(f"{where}: number {f.number} now names `{by_number[f.number].name}` "
-                       f'(reserve {f.number} and "{f.name}"; a new field takes a new number)')
-        elif not (_in_ranges(f.number, new.reserved_range, False)
-                  and f.name in new.reserved_name):
-            out.append(f'{where}: removed without `reserved {f.number};` and '
-                       f'`reserved "{f.name}";`')
-    for g in new.field:
-        if _in_ranges(g.number, old.reserved_range, False) or g.name in old.reserved_name:
-            out.append(f"{name}.{g.name} = {g.number}: reuses a number or name the release "
+    by_name = {x.name: x for x in news}
+    by_number = {x.number: x for x in news}
+    for x in olds:
+        where = f"{name}.{x.name} = {x.number}"
+        y = by_name.get(x.name)
+        if y is not None:
+            if y.number != x.number:
+                out.append(f"{where}: renumbered to {y.number}")
+            elif shape is not None:
+                was, now = shape(old, x), shape(new, y)
+                out += [f"{where}: {k} changed from {was[k]} to {now[k]}"
+                        for k in was if was[k] != now[k]]
+        elif x.number in by_number:
+            out.append(f"{where}: number {x.number} now names `{by_number[x.number].name}` "
+                       f'(reserve {x.number} and "{x.name}"; a new {kind} takes a new number)')
+        elif not (_in_ranges(x.number, new.reserved_range, inclusive)
+                  and x.name in new.reserved_name):
+            out.append(f'{where}: removed without `reserved {x.number};` and '
+                       f'`reserved "{x.name}";`')
+    for y in news:
+        if _in_ranges(y.number, old.reserved_range, inclusive) or y.name in old.reserved_name:
+            out.append(f"{name}.{y.name} = {y.number}: reuses a number or name the release "
                        "reserved")
-    return out + _reservations(name, old, new, inclusive=False)
+    return out + _reservations(name, old, new, inclusive=inclusive)
+
+
+def _fields(name: str, old: pb.DescriptorProto, new: pb.DescriptorProto) -> list[str]:
+    return _numbered(name, old, new, old.field, new.field, "field", False, _field_shape)
 
 
 def _values(name: str, old: pb.EnumDescriptorProto, new: pb.EnumDescriptorProto) -> list[str]:
-    out = []
-    by_name = {v.name: v for v in new.value}
-    by_number = {v.number: v for v in new.value}
-    for v in old.value:
-        where = f"{name}.{v.name} = {v.number}"
-        w = by_name.get(v.name)
-        if w is not None:
-            if w.number != v.number:
-                out.append(f"{where}: renumbered to {w.number}")
-        elif v.number in by_number:
-            out.append(f"{where}: number {v.number} now names `{by_number[v.number].name}` "
-                       f'(reserve {v.number} and "{v.name}"; a new value takes a new number)')
-        elif not (_in_ranges(v.number, new.reserved_range, True)
-                  and v.name in new.reserved_name):
-            out.append(f'{where}: removed without `reserved {v.number};` and '
-                       f'`reserved "{v.name}";`')
-    for w in new.value:
-        if _in_ranges(w.number, old.reserved_range, True) or w.name in old.reserved_name:
-            out.append(f"{name}.{w.name} = {w.number}: reuses a number or name the release "
-                       "reserved")
-    return out + _reservations(name, old, new, inclusive=True)
+    return _numbered(name, old, new, old.value, new.value, "value", True)
 
 
 def _methods(name: str, old: pb.ServiceDescriptorProto,
@@ -198,7 +186,7 @@ def violations(released: pb.FileDescriptorSet, current: pb.FileDescriptorSet,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--release", action="store_true",
                         help="write baton.v1 as it stands as the released set (at a release)")
     args = parser.parse_args(argv)

@@ -115,18 +115,29 @@ def count(bound: Bound, value) -> int:
     return max((len(v) for v in value if isinstance(v, str)), default=0)
 
 
+def _ceilings() -> dict[str, list[tuple[Bound, str, int]]]:
+    """The scope of a wire path ("" or "sampling") -> its rows with a ceiling: (row, the
+    field's name there, the ceiling)."""
+    out: dict[str, list[tuple[Bound, str, int]]] = {}
+    for b in TABLE:
+        if b.ceiling is not None and b.wire is not None:
+            scope, _, name = b.wire.rpartition(".")
+            out.setdefault(scope, []).append((b, name, b.ceiling))
+    return out
+
+
+_CEILINGS = _ceilings()
+
+
 def check_ceilings(scope: str, values) -> None:
     """The engine's ceilings on the fields at `scope` of the wire's paths ("": the
     request's own, "sampling": its sampling values), read from `values` (an object or a
     mapping) by their names: ValueError naming the first field over its ceiling."""
-    for b in TABLE:
-        where, _, name = (b.wire or "").rpartition(".")
-        if b.ceiling is None or b.wire is None or where != scope:
-            continue
+    for b, name, ceiling in _CEILINGS.get(scope, ()):
         got = count(b, values[name] if isinstance(values, Mapping) else getattr(values, name))
-        if got > b.ceiling:
+        if got > ceiling:
             what, unit = b.engine or (name, b.unit)
-            raise ValueError(f"{what} may hold at most {b.ceiling} {unit}; got {got}")
+            raise ValueError(f"{what} may hold at most {ceiling} {unit}; got {got}")
 
 
 def _post_init(self) -> None:
@@ -155,9 +166,8 @@ def _bound(self, name: str) -> int:
 
 def _check(self, name: str, got: int, where: str, more: bool = False) -> None:
     """`check_bound` against row `name` (its flag, if it has one, named in the message)."""
-    if got > self.bound(name):
-        b = BOUNDS[name]
-        check_bound(where, got, self.bound(name), b.unit, more, flag=b.flag)
+    b = BOUNDS[name]
+    check_bound(where, got, self.bound(name), b.unit, more, flag=b.flag)
 
 
 if TYPE_CHECKING:
