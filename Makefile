@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(LOCK)/dev.txt $(LOCK)/torch-cpu.txt
 	$(PIP) --no-index -r $(LOCK)/torch-cpu.txt 2>/dev/null \
 		|| $(PIP) --index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
 	$(PIP) -r $(LOCK)/dev.txt
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -P kernels/cpu_decode.py & kernel=$$!; \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -P kernels/cpu_ops.py & kernel=$$!; \
 	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e . && wait $$kernel
 	$(BIN)/pip check
 	touch $(STAMP)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode
+from . import cpu_ops
 from .metadata import AttentionMetadata
 
 
@@ -54,6 +54,10 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 # the padding small when the runner sorts decodes by length.
 DECODE_GROUP = 32
 
+# Decodes that share a prefix take the cascade below, not the C++ kernel, on CPU: it
+# measured faster (docs/benchmarks.md). Tests turn it off to run the kernel on them.
+CASCADE_ON_CPU = True
+
 
 def _softcap_(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     """Gemma 2's logit soft-capping, in place: softcap * tanh(scores / softcap)."""
@@ -68,10 +72,11 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out, 
     # query meets them in one large matmul, instead of once per row. Not with a window:
     # the shared prefix is mostly outside it.
     shared = meta.num_shared_blocks if window is None else 0
-    if not shared and query.device.type == "cpu" and cpu_decode.load() is not None:
-        # Each row reads its blocks in place, once (kernels/cpu_decode.py).
-        cpu_decode.decode(query, key_cache, value_cache, meta.block_tables,
-                          meta.seq_lens[:n], out, scale, window, softcap)
+    ops = cpu_ops.serves("decode", query.device)
+    if ops is not None and not (shared and CASCADE_ON_CPU):
+        # Each row reads its blocks in place, once (kernels/cpu/attention.h).
+        ops.decode(query[:n], key_cache, value_cache, meta.block_tables[:n],
+                   meta.seq_lens[:n], out[:n], scale, window or 0, softcap or 0.0)
         return
     prefix = None
     if shared:

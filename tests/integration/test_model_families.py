@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from baton.kernels import cpu_ops
 from baton.services.engine import LLM, SamplingParams
 from baton.services.engine.model_runner import kv_bytes_per_block
 from baton.services.rpc.convert import sampling_params
@@ -42,7 +43,19 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [ids(5), ids(30), ids(70), ids(130), shared + ids(10), shared + ids(20)]
 
 
-def test_greedy_parity_with_transformers(tiny, tokenizer):
+@pytest.fixture(params=cpu_ops.supported())
+def isa(request, monkeypatch):
+    """Every C++ kernel serving from this ISA's build (tests/integration/test_cpu_kernels.py
+    says where they cannot build)."""
+    if cpu_ops.ops(request.param) is None:
+        pytest.skip(f"no CPU kernels for {request.param}: {cpu_ops.failure(request.param)}")
+    for kernel in cpu_ops.FASTER:
+        monkeypatch.setitem(cpu_ops.FASTER, kernel, frozenset(cpu_ops.supported()))
+    with cpu_ops.using(request.param):
+        yield request.param
+
+
+def test_greedy_parity_with_transformers(tiny, tokenizer, isa):
     family, folder, hf = tiny
     probe = LLM(model=str(folder), dtype="float32", kv_cache_gib=0.001)
     per_block = kv_bytes_per_block(probe.engine.model_config, 16, torch.float32)

@@ -14,7 +14,6 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -46,25 +45,18 @@ def _seal(mp: pytest.MonkeyPatch) -> None:
             mp.setattr(os, name, _refuse(f"os.{name}"))
     mp.setattr(socket.socket, "bind", _refuse("socket.bind"))
     mp.setattr(socket.socket, "listen", _refuse("socket.listen"))
-    # The C++ decode kernel builds in a compiler's process: here decode takes the torch
-    # path (tests/integration/test_cpu_decode_kernel.py runs the kernel).
+    # The C++ kernels build in a compiler's process: here torch's ops serve
+    # (tests/integration/test_cpu_kernels.py runs the kernels). cpu_ops does not remember
+    # this "off": a later integration test in this process builds them as ever.
     mp.setenv("BATON_CPU_KERNELS", "0")
 
 
 @contextlib.contextmanager
 def _sealed():
-    """The rule on, for one phase of one test. The kernel's "off" is not kept past it:
-    a later integration test in this process builds the kernel as ever."""
-    kernel = sys.modules.get("baton.kernels.cpu_decode")
-    failed = kernel._failed if kernel else None
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            _seal(mp)
-            yield
-    finally:
-        kernel = sys.modules.get("baton.kernels.cpu_decode")
-        if kernel is not None and kernel._module is None:
-            kernel._failed = failed
+    """The rule on, for one phase of one test."""
+    with pytest.MonkeyPatch.context() as mp:
+        _seal(mp)
+        yield
 
 
 @pytest.hookimpl(wrapper=True)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from baton.kernels import cpu_decode, reference, torch_attn
+from baton.kernels import cpu_ops, reference, torch_attn
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from tests.kernel_batch import make_batch as _make_batch
 
@@ -15,9 +15,9 @@ from tests.kernel_batch import make_batch as _make_batch
 @pytest.fixture(autouse=True)
 def decode_path(monkeypatch):
     """Decode rows through the torch path here. The C++ kernel it replaces where it builds
-    (kernels/cpu_decode.py) is built by a compiler, a process of its own:
-    tests/integration/test_cpu_decode_kernel.py runs these tests again through it."""
-    monkeypatch.setattr(cpu_decode, "load", lambda: None)
+    (kernels/cpu_ops.py) is built by a compiler, a process of its own:
+    tests/integration/test_cpu_kernels.py runs these tests again through it, on every ISA."""
+    monkeypatch.setattr(cpu_ops, "serves", lambda kernel, device: None)
     return "torch decode"
 
 

@@ -77,19 +77,19 @@ def test_transformers_default_model_is_refused(request):
         request.getfixturevalue("hf_model")
 
 
-def test_decode_takes_the_torch_path_unless_the_kernel_is_built_already():
-    """Built by an integration test in this process, the kernel serves here too (no
-    process starts); else decode takes the torch path rather than building it."""
-    from baton.kernels import cpu_decode
+def test_the_cpu_kernels_serve_only_if_built_already():
+    """Built by an integration test in this process, the kernels serve here too (no
+    process starts); else torch's ops serve rather than a compiler being started."""
+    from baton.kernels import cpu_ops
 
-    if cpu_decode._module is None:
-        assert cpu_decode.load() is None and cpu_decode._failed == "BATON_CPU_KERNELS=0"
+    if cpu_ops.isa not in cpu_ops._built:
+        assert cpu_ops.ops() is None and cpu_ops.failure() == "BATON_CPU_KERNELS=0"
     else:
-        assert cpu_decode.load() is cpu_decode._module
+        assert cpu_ops.ops() is cpu_ops._built[cpu_ops.isa]
 
 
-def test_the_kernel_is_not_left_off_after_a_unit_test():
+def test_the_kernels_are_not_left_off_after_a_unit_test():
     """Run after the test above: what it turned off is not kept."""
-    from baton.kernels import cpu_decode
+    from baton.kernels import cpu_ops
 
-    assert cpu_decode._module is not None or cpu_decode._failed is None
+    assert cpu_ops.isa in cpu_ops._built or cpu_ops.failure() is None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kernels import cpu_ops
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig, Rope
@@ -65,6 +66,21 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops.serves("rms_norm", x.device)
+        if ops is not None and x.is_contiguous():
+            return cpu_ops.rms_norm(x, self.weight, self.eps, self.offset, None, ops)
+        return self._torch(x)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) for s = x + residual, rounded to the model dtype as HF's add is.
+        May write s into `residual` (the CPU kernel does: one pass over the row)."""
+        ops = cpu_ops.serves("rms_norm", x.device)
+        if ops is not None and x.is_contiguous() and residual.is_contiguous():
+            return cpu_ops.rms_norm(x, self.weight, self.eps, self.offset, residual, ops), residual
+        s = x + residual
+        return self._torch(s), s
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -199,8 +215,12 @@ class MLP(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.packed.get("gate_up"), self.gate_up_bias)
         if self.lora is not None:
             gate_up = self.lora("gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.act(gate) * up
+        ops = cpu_ops.serves("silu_and_mul", gate_up.device) if self.act is F.silu else None
+        if ops is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            h = cpu_ops.silu_and_mul(gate_up, ops)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
         out = linear(h, self.down_weight, self.packed.get("down"), self.down_bias)
         return out if self.lora is None else self.lora("down", h, out)
 
@@ -215,7 +235,11 @@ class DecoderLayer(nn.Module):
     Sandwich (Gemma), every sub-block normed before and after:
         x += post_attention_layernorm(attn(input_layernorm(x)))
         x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
-    Attribute names are HF's, so checkpoints load by name."""
+    Attribute names are HF's, so checkpoints load by name.
+
+    As in vLLM, the stream x travels as (h, residual) with x = h + residual: each add
+    happens inside the norm that follows it (RMSNorm.add, one kernel on CPU). The first
+    layer gets residual None and h = x; the model's final norm does the last add."""
 
     def __init__(self, c: ModelConfig, layer: int, dtype, device):
         super().__init__()
@@ -232,10 +256,15 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, rope, x, kv_cache, meta, backend):
-        a = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
+    def forward(self, rope, h, residual, kv_cache, meta, backend):
+        if residual is None:
+            residual, normed = h, self.input_layernorm(h)
+        else:
+            normed, residual = self.input_layernorm.add(h, residual)
+        a = self.self_attn(rope, normed, kv_cache, meta, backend)
         if not self.sandwich:
-            x = x + a
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(a)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            normed, residual = self.post_attention_layernorm.add(a, residual)
+            return self.mlp(normed), residual
+        normed, residual = self.pre_feedforward_layernorm.add(
+            self.post_attention_layernorm(a), residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual

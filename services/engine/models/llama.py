@@ -65,9 +65,11 @@ class LlamaForCausalLM(nn.Module):
         ropes = [self.rope(positions)]  # looked up once per pass, not per layer
         if self.sliding_rope is not None:
             ropes.append(self.sliding_rope(positions))
+        residual = None  # the stream travels as (x, residual): layers.DecoderLayer
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=False)):
-            x = layer(ropes[self.rope_of_layer[i]], x, kv_cache, meta, self.backend)
-        return self.norm(x)
+            x, residual = layer(ropes[self.rope_of_layer[i]], x, residual, kv_cache, meta,
+                                self.backend)
+        return self.norm(x) if residual is None else self.norm.add(x, residual)[0]
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

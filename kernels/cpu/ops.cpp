@@ -1,0 +1,144 @@
+// Baton's CPU kernels, one source compiled once per ISA (kernels/cpu_ops.py gives each
+// build its flags and its op namespace, BATON_CPU_NS). Only ATen's tensor and
+// op-registration headers: no pybind11, no torch C++ API, so a build takes seconds.
+//
+// Numerics follow HF's eager modules on T-typed (bf16, fp16, fp32) tensors: every value a
+// torch op would round to T is rounded to T here too (round_as), and the rest is fp32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention.h"
+#include "vec.h"
+
+namespace baton {
+
+// f(T{}) for the tensor's element type T: fp32, bf16 or fp16.
+template <typename F>
+void by_dtype(at::ScalarType t, const char* op, F f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, op, ": ", t, " is not served");
+  }
+}
+
+// -- RMSNorm, with the residual add before it fused in
+//   residual given:  residual = T(x + residual); y = norm(residual)   (residual in place)
+//   else:            y = norm(x)
+//   norm(s) = T(w * T(s * r))             offset 0 (Llama, Qwen: HF's w * normed.to(T))
+//             T(s * r * (offset + w))      offset != 0 (Gemma: in fp32, then cast)
+//   with r = 1 / sqrt(mean(s^2) + eps) in fp32.
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                   at::Tensor& out, double eps, double offset) {
+  const int64_t n = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* src = xp + i * xs;
+      if (rp) {  // the sum, rounded as torch's add on T would, becomes the new residual
+        T* r = rp + i * rs;
+        for (int64_t j = 0; j < H; j += W) {
+          const int k = int(std::min<int64_t>(W, H - j));
+          store_n(r + j, load_n(src + j, k) + load_n(r + j, k), k);
+        }
+        src = r;
+      }
+      vf sq = vf{};
+      for (int64_t j = 0; j < H; j += W) {
+        vf v = load_n(src + j, int(std::min<int64_t>(W, H - j)));
+        sq += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum(sq) / float(H) + float(eps));
+      T* o = op + i * os;
+      for (int64_t j = 0; j < H; j += W) {
+        const int k = int(std::min<int64_t>(W, H - j));
+        vf v = load_n(src + j, k) * inv, w = load_n(wp + j, k);
+        store_n(o + j, offset != 0 ? v * (w + float(offset)) : w * round_as(v, src), k);
+      }
+    }
+  });
+}
+
+void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, at::Tensor& out, double eps, double offset) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && weight.is_contiguous());
+  TORCH_CHECK(!residual || (residual->stride(1) == 1 && residual->sizes() == x.sizes()));
+  const at::Tensor* r = residual ? &*residual : nullptr;
+  by_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_norm_rows<scalar_t>(x, r, weight, out, eps, offset);
+  });
+}
+
+// -- the gated MLP's activation: out = T(T(silu(gate)) * up), x = [gate | up] per row,
+//   silu(g) = g / (1 + e^-g). (GELU-tanh stays torch's: torch computes 1 + tanh(y), which
+//   cancels where tanh(y) is near -1, and matching its rounding there needs its tanh.)
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t n = x.size(0), I = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = xp + i * xs;
+      for (int64_t j = 0; j < I; j += W) {
+        const int k = int(std::min<int64_t>(W, I - j));
+        vf a = load_n(g + j, k), u = load_n(g + I + j, k);
+        a = a / (1.f + exp(-a));
+        store_n(op + i * os + j, round_as(a, g) * u, k);
+      }
+    }
+  });
+}
+
+void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
+              x.size(1) == 2 * out.size(1));
+  by_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    silu_and_mul_rows<scalar_t>(x, out);
+  });
+}
+
+void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+            const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale,
+            int64_t window, double softcap) {
+  TORCH_CHECK(q.stride(2) == 1 && kc.stride(3) == 1 && out.stride(2) == 1);
+  TORCH_CHECK(kc.strides() == vc.strides() && tables.dtype() == at::kInt &&
+              lens.dtype() == at::kInt && q.size(1) % kc.size(0) == 0);
+  by_dtype(q.scalar_type(), "decode", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    decode_rows<scalar_t>(q, kc, vc, tables, lens, out, float(scale), window, float(softcap));
+  });
+}
+
+}  // namespace baton
+
+// TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
+#define BATON_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define BATON_LIBRARY_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+
+BATON_LIBRARY(BATON_CPU_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, Tensor(b!) out, float eps, "
+        "float offset) -> ()");
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  m.def("decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor(a!) out, "
+        "float scale, int window, float softcap) -> ()");
+}
+
+BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
+  m.impl("rms_norm", &baton::rms_norm);
+  m.impl("silu_and_mul", &baton::silu_and_mul);
+  m.impl("decode", &baton::decode);
+}

@@ -1,0 +1,178 @@
+"""Baton's CPU kernels (kernels/cpu/): one C++ source, built once per ISA and picked at run
+time from the CPU's flags.
+
+    kernel        what it replaces
+    rms_norm      the residual add and RMSNorm: one pass over the row, not three ops
+    silu_and_mul  SiLU of the gate times the up projection
+    decode        decode attention read in place through the block tables (attention.h)
+
+A build for one ISA is compiled with that ISA's flags only: never -march=native (a cached
+build must load on any CPU with the same flags), never -ffast-math (softmax keeps its
+NaN and infinity rules). Each build registers its ops under torch.ops.baton_cpu_<isa>.
+Builds use torch's C++ extension builder, cached under TORCH_EXTENSIONS_DIR; `make install`
+builds the native one. Where a build fails (no compiler), `ops()` returns None, says why
+once, and torch's ops serve.
+
+A kernel serves only on the ISAs where it measured faster than the torch ops it replaces
+(FASTER, from `python -m baton.tools.bench.kernels`). BATON_CPU_ISA=<name> picks another
+ISA the CPU has (tests run every one); BATON_CPU_KERNELS=0 turns them all off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
+
+# Best first: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags).
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (_AVX512, tuple(f"-m{f}" for f in _AVX512)),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "portable": ((), ()),
+}
+
+# Where each kernel measured faster than torch's ops (docs/benchmarks.md, issue 40).
+FASTER: dict[str, frozenset[str]] = {
+    "rms_norm": frozenset({"avx512", "avx2"}),
+    "silu_and_mul": frozenset({"avx512", "avx2"}),
+    "decode": frozenset({"avx512", "avx2", "portable"}),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported() -> list[str]:
+    """The ISAs this CPU runs, best first (portable always)."""
+    flags = cpu_flags()
+    return [name for name, (need, _) in ISAS.items() if set(need) <= flags]
+
+
+def _initial() -> str:
+    asked = os.environ.get("BATON_CPU_ISA")
+    if asked and asked not in supported():
+        raise ValueError(f"BATON_CPU_ISA={asked!r}: this CPU runs {supported()}")
+    return asked or supported()[0]
+
+
+isa = _initial()  # the ISA whose build serves now
+_built: dict[str, Any] = {}
+_failed: dict[str, str] = {}
+
+
+def set_isa(name: str) -> None:
+    global isa
+    if name not in supported():
+        raise ValueError(f"ISA {name!r}: this CPU runs {supported()}")
+    isa = name
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Serve from `name`'s build inside the block (tests)."""
+    old = isa
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(old)
+
+
+def _source_hash() -> str:
+    """Of every file in kernels/cpu/: a changed header rebuilds as a changed source does."""
+    h = hashlib.sha256()
+    for path in sorted(SOURCE.parent.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ops(name: str | None = None) -> Any:
+    """torch.ops.baton_cpu_<isa> for `name` (default: the serving ISA), built at first use;
+    None, with the reason logged once, where it cannot build or kernels are off."""
+    name = name or isa
+    if name in _built:
+        return _built[name]
+    if name in _failed:
+        return None
+    if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
+        return None  # not remembered: a test may turn kernels off for a while
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        namespace = f"baton_cpu_{name}"
+        # Not a Python module: the library registers its ops with torch's dispatcher.
+        build(name=namespace, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+              extra_include_paths=[str(SOURCE.parent)],
+              extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", f"-DBATON_CPU_NS={namespace}",
+                            f"-DBATON_SOURCE={_source_hash()}", *ISAS[name][1]],
+              extra_ldflags=["-fopenmp"])
+        _built[name] = getattr(torch.ops, namespace)
+    except Exception as e:  # no compiler, no headers: torch's ops serve
+        _failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("CPU kernels for %s unavailable, using torch's ops (%s)", name,
+                    _failed[name])
+        return None
+    return _built[name]
+
+
+def failure(name: str | None = None) -> str | None:
+    """Why `name`'s build (default: the serving ISA's) is unavailable, if it is."""
+    name = name or isa
+    if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
+        return "BATON_CPU_KERNELS=0"
+    return _failed.get(name)
+
+
+def serves(kernel: str, device: torch.device) -> Any:
+    """The ops to call for `kernel` on `device`, or None where torch's ops serve."""
+    if device.type != "cpu" or isa not in FASTER[kernel]:
+        return None
+    return ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+             residual: torch.Tensor | None, module: Any) -> torch.Tensor:
+    """norm(x) or, with a residual, norm(x + residual) with the sum left in `residual`."""
+    out = torch.empty_like(x)
+    module.rms_norm(x.view(-1, x.shape[-1]), None if residual is None
+                    else residual.view(-1, x.shape[-1]), weight, out.view(-1, x.shape[-1]),
+                    eps, offset)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor, module: Any) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    module.silu_and_mul(gate_up, out)
+    return out
+
+
+if __name__ == "__main__":  # `make install` builds the native ISA's; the image, --all
+    import sys
+
+    # --all: every ISA this CPU runs (a build is loaded to register its ops, and a build
+    # for an ISA the CPU lacks may not load).
+    for name in supported() if "--all" in sys.argv[1:] else [isa]:
+        built = ops(name)
+        print(f"CPU kernels ({name}):", "built" if built is not None else f"unavailable "
+              f"({failure(name)})")

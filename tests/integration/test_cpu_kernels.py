@@ -1,0 +1,97 @@
+"""Baton's C++ CPU kernels (kernels/cpu_ops.py), built by a compiler (so here, not in
+unit), through every ISA this CPU runs, whether or not the kernel serves there by default:
+the attention tests of tests/unit/test_kernels.py again with decode rows through the
+kernel, and the fused norm and SiLU against the torch ops they replace."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.kernels import cpu_ops, torch_attn
+from baton.services.engine.models.layers import RMSNorm
+from tests.unit.test_kernels import (  # noqa: F401 (collected here with this decode_path)
+    test_attention_bf16_close_to_fp32_reference,
+    test_attention_matches_reference,
+    test_cache_write_lands_in_the_right_slot,
+    test_decodes_sharing_prefix_blocks_match_reference,
+    test_prefill_chunks_after_a_shared_prefix_match_reference,
+    test_reference_window_and_softcap_match_dense_attention,
+    test_window_and_softcap_bf16_close_to_fp32_reference,
+    test_window_and_softcap_match_reference,
+    test_window_reads_only_the_blocks_it_touches,
+)
+
+ISAS = cpu_ops.supported()
+
+
+def _built(isa: str):
+    module = cpu_ops.ops(isa)
+    if module is None:
+        pytest.skip(f"the CPU kernels for {isa} do not build here: {cpu_ops.failure(isa)}")
+    return module
+
+
+@pytest.fixture(autouse=True, params=ISAS)
+def decode_path(request, monkeypatch):
+    """Every kernel serves, on this ISA, for shared prefixes too."""
+    _built(request.param)
+    for kernel in cpu_ops.FASTER:
+        monkeypatch.setitem(cpu_ops.FASTER, kernel, frozenset(ISAS))
+    monkeypatch.setattr(torch_attn, "CASCADE_ON_CPU", False)
+    with cpu_ops.using(request.param):
+        yield f"c++ decode ({request.param})"
+
+
+def test_the_cpu_kernels_build_where_there_is_a_compiler():
+    if shutil.which("c++"):
+        assert cpu_ops.ops() is not None, cpu_ops.failure()
+
+
+def _rows(dtype, n, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, width, generator=g) * 3).to(dtype)
+
+
+def _at_most_one_ulp_apart(got, want, dtype):
+    """bf16/fp16: equal but for rare last-bit differences (the kernel's fp32 sums run in
+    another order than torch's); fp32: close."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        return
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    assert ((got.float() - want.float()).abs() <= ulp * 1.01).all()
+    assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [576, 40])  # the default model's, and one with a tail
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama's w * normed; Gemma's (1 + w)
+def test_rms_norm_with_the_residual_add_matches_torch(decode_path, dtype, width, offset):
+    norm = RMSNorm(width, 1e-5, dtype, torch.device("cpu"), offset)
+    norm.weight.data = _rows(dtype, 1, width, 1)[0]
+    x, residual = _rows(dtype, 37, width, 2), _rows(dtype, 37, width, 3)
+    want_sum = x + residual
+    want = norm._torch(want_sum)
+    got, got_sum = norm.add(x, residual.clone())
+    assert torch.equal(got_sum, want_sum)  # the add rounds as torch's does
+    _at_most_one_ulp_apart(got, want, dtype)
+    _at_most_one_ulp_apart(norm(want_sum), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_and_mul_matches_torch(decode_path, dtype, width):
+    gate_up = _rows(dtype, 23, 2 * width, 4)
+    gate_up[0, :4] = torch.tensor([0.0, -30.0, 30.0, float("nan")])
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    got = cpu_ops.silu_and_mul(gate_up, cpu_ops.ops())
+    assert torch.isnan(got[0, 3])  # NaN stays NaN (no -ffast-math)
+    got[0, 3] = want[0, 3] = 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        _at_most_one_ulp_apart(got, want, dtype)
