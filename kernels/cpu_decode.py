@@ -60,7 +60,9 @@ def load():
 def decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
            scale: float, window: int | None, softcap: float | None) -> None:
-    """out[:n] for the first n = seq_lens.numel() rows of `query`, one token each."""
+    """out[:n] for the first n = seq_lens.numel() rows of `query`, one token each.
+    key_cache and value_cache are one layer's per-head views (kernels/kv_layout.py's
+    `head_views`); the kernel follows their strides."""
     module = load()
     if module is None:  # callers check load() first
         raise RuntimeError(f"the CPU decode kernel is unavailable ({_failed})")
