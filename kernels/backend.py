@@ -2,9 +2,12 @@
 
 Every backend offers the same two functions as `kernels.reference`, and is tested
 against it:
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    paged_attention(query, key, value, key_cache, value_cache, meta, scale,
-                    window=None, softcap=None) -> output
+    reshape_and_cache(key, value, kv_cache, slot_mapping)
+    paged_attention(query, key, value, kv_cache, meta, scale, window=None,
+                    softcap=None) -> output
+
+kv_cache is one layer's cache tensor, laid out as kernels/kv_layout.py defines; each
+backend takes the views of it that it wants from there.
 
 window and softcap are per-layer constants (so fine inside a CUDA graph): a token at
 position p sees only keys p - window < k <= p (HF's sliding_window; Mistral, Gemma 2/3),

@@ -9,9 +9,10 @@ Two builds are looked for, in this order:
 chosen (see kernels/backend.py).
 
 flash-attn wants a paged cache as [num_blocks, block_size, kv_heads, head_dim]. Ours is
-[kv_heads, num_blocks, block_size, head_dim]; `permute(1, 2, 0, 3)` is a view of the same
-memory with the head stride moved, and flash-attn takes any strides so long as head_dim
-is contiguous. Nothing is copied.
+block-major, [num_blocks, K|V, kv_heads, block_size, head_dim] (kernels/kv_layout.py);
+`kv_layout.flash_views` gives K and V in flash-attn's shape as views of the same memory
+(the head and offset strides swapped), and flash-attn takes any strides so long as
+head_dim is contiguous. Nothing is copied.
 
 Sliding windows and soft-capping are flash-attn's `window_size=(window - 1, 0)` and
 `softcap=` (flash-attn >= 2.6 and vLLM's fork); a build without them raises when a layer
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import kv_layout
 from .metadata import AttentionMetadata
 
 
@@ -79,9 +81,8 @@ def _needs(param: str, what: str) -> None:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and itself.
 
     flash-attn aligns the causal mask to the bottom right: new token j of a request with
@@ -90,8 +91,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     p - window < k <= p.
     """
     del key, value
-    k = key_cache.permute(1, 2, 0, 3)
-    v = value_cache.permute(1, 2, 0, 3)
+    k, v = kv_layout.flash_views(kv_cache)
     common: dict[str, Any] = dict(
         cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
         max_seqlen_k=max(meta.max_seq_len, meta.decode_max_seq_len),

@@ -1,25 +1,24 @@
 """Pure-torch reference kernels: slow, obvious, and the ground truth for every other path.
 
-KV cache layout, one tensor per layer for K and one for V, head-major:
-    cache[kv_head, block_id, offset_in_block, head_dim]
-Head-major keeps each head's tokens of a block contiguous, so gathering a request's
-blocks gives one contiguous [tokens, head_dim] matrix per head, ready for a matmul.
+KV cache layout: one tensor per layer, block-major (kernels/kv_layout.py). These kernels
+index it through its per-head views, `[kv_head, block_id, offset_in_block, head_dim]`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import kv_layout
 from .metadata import AttentionMetadata
 
 
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
-    key_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,  # one layer's, kernels/kv_layout.py
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
+    key_cache, value_cache = kv_layout.head_views(kv_cache)
     block_size = key_cache.shape[2]
     for t, slot in enumerate(slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
@@ -31,8 +30,7 @@ def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V, already
     value: torch.Tensor,  # in the cache; a backend may use them to skip a gather
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
@@ -46,6 +44,7 @@ def paged_attention(
     Reads everything from the cache (after reshape_and_cache), ignoring `key`/`value`.
     """
     del key, value
+    key_cache, value_cache = kv_layout.head_views(kv_cache)
     block_size = key_cache.shape[2]
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[0]

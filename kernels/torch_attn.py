@@ -3,7 +3,7 @@ writes and SDPA over K/V gathered through block tables.
 
 Decodes (one new token each) are batched into one SDPA call over K/V padded to the longest
 sequence, with a length mask. Each prefill chunk gets its own call, with a causal mask
-shifted by the length of its cached prefix. Cache layout: see kernels/reference.py.
+shifted by the length of its cached prefix. Cache layout: kernels/kv_layout.py.
 
 A sliding window (a token at p sees keys p - window < k <= p) is a mask, plus gathering
 only the blocks the window touches; it skips the shared-prefix paths. Soft-capping
@@ -16,38 +16,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ops
+from . import cpu_ops, kv_layout
 from .metadata import AttentionMetadata
 
 
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    kv_heads, num_blocks, block_size, d = key_cache.shape
-    # Row of (head h, slot s) in the [kv_heads * num_slots, d] view: h * num_slots + s.
-    heads = torch.arange(kv_heads, device=slot_mapping.device)[:, None] * (num_blocks * block_size)
-    rows = (heads + slot_mapping[None, :]).reshape(-1)
-    key_cache.view(-1, d).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, d))
-    value_cache.view(-1, d).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, d))
+    _, kv_heads, block_size, d = kv_layout.dims(kv_cache)
+    # Token t's K and V rows, every head, all inside its slot's block: one index_copy_ into
+    # the layer tensor as [rows, d] (row numbers from kernels/kv_layout.py).
+    block = (slot_mapping // block_size)[:, None]
+    pos = (slot_mapping % block_size)[:, None]
+    heads = torch.arange(kv_heads, device=slot_mapping.device)[None, :]
+    where = dict(kv_heads=kv_heads, block_size=block_size, head_dim=1)
+    rows = torch.stack((kv_layout.offset(block, kv_layout.K, heads, pos, **where),
+                        kv_layout.offset(block, kv_layout.V, heads, pos, **where)), 1)
+    kv_cache.view(-1, d).index_copy_(0, rows.reshape(-1),
+                                     torch.stack((key, value), 1).reshape(-1, d))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[B, num_blocks] block ids -> [kv_heads, B, num_blocks * block_size, head_dim].
+def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+            num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, num_blocks] block ids -> K and V, each [kv_heads, B, num_blocks * bs, head_dim].
 
-    One index_select of whole (head, block) rows: contiguous copies, and each head's
-    tokens come out contiguous, as the matmuls inside SDPA want them.
+    One index_select of whole (block, K|V, head) chunks (each contiguous in the cache, and
+    a block's chunks side by side): each head's tokens come out contiguous, as the matmuls
+    inside SDPA want them.
     """
-    kv_heads, total_blocks, block_size, d = cache.shape
+    _, kv_heads, block_size, d = kv_layout.dims(kv_cache)
     b = block_tables.shape[0]
     ids = block_tables[:, :num_blocks].reshape(-1).long()
-    heads = torch.arange(kv_heads, device=ids.device)[:, None] * total_blocks
-    rows = (heads + ids[None, :]).reshape(-1)
-    g = torch.index_select(cache.view(-1, block_size, d), 0, rows)
-    return g.view(kv_heads, b, -1, d)
+    heads = torch.arange(kv_heads, device=ids.device)[:, None]
+    rows = torch.stack((kv_layout.chunk(ids[None, :], kv_layout.K, heads, kv_heads),
+                        kv_layout.chunk(ids[None, :], kv_layout.V, heads, kv_heads)))
+    g = torch.index_select(kv_layout.chunks(kv_cache), 0, rows.reshape(-1))
+    g = g.view(2, kv_heads, b, -1, d)
+    return g[0], g[1]
 
 
 # Decodes are padded to the longest sequence of their group; groups of this many rows keep
@@ -64,7 +72,7 @@ def _softcap_(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores.div_(softcap).tanh_().mul_(softcap)
 
 
-def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out, window,
+def _decode(query, kv_cache, meta: AttentionMetadata, scale, out, window,
             softcap) -> None:
     n = meta.num_decodes
     graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
@@ -75,19 +83,19 @@ def _decode(query, key_cache, value_cache, meta: AttentionMetadata, scale, out, 
     ops = cpu_ops.serves("decode", query.device)
     if ops is not None and not (shared and CASCADE_ON_CPU):
         # Each row reads its blocks in place, once (kernels/cpu/attention.h).
-        ops.decode(query[:n], key_cache, value_cache, meta.block_tables[:n],
+        ops.decode(query[:n], *kv_layout.head_views(kv_cache), meta.block_tables[:n],
                    meta.seq_lens[:n], out[:n], scale, window or 0, softcap or 0.0)
         return
     prefix = None
     if shared:
         table = meta.block_tables[:1, :shared]
-        prefix = (_gather(key_cache, table, shared)[:, 0],
-                  _gather(value_cache, table, shared)[:, 0])
+        pk, pv = _gather(kv_cache, table, shared)
+        prefix = (pk[:, 0], pv[:, 0])
     for a in range(0, n, DECODE_GROUP):
         b = min(n, a + DECODE_GROUP)
         # A CUDA graph fixes the width for every row: decode_max_seq_len, not the group's.
         max_len = meta.decode_max_seq_len if graph_width else max(meta.seq_lens_cpu[a:b])
-        _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len,
+        _decode_group(query, kv_cache, meta, scale, out, a, b, max_len,
                       shared, prefix, window, softcap)
 
 
@@ -109,7 +117,7 @@ def _window_tables(meta: AttentionMetadata, a, b, num_blocks, block_size, window
     return tables, (pos >= seq) | (pos < seq - window)
 
 
-def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len, shared,
+def _decode_group(query, kv_cache, meta, scale, out, a, b, max_len, shared,
                   prefix, window, softcap) -> None:
     """Rows a..b attend over `shared` common blocks (K/V in `prefix`) and then each over its
     own remaining blocks, padded to the group's longest row:
@@ -119,7 +127,7 @@ def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len
     With a window (and shared = 0), each row's own blocks start where its window does.
     """
     n = b - a
-    kv_heads, _, block_size, d = key_cache.shape
+    _, kv_heads, block_size, d = kv_layout.dims(kv_cache)
     num_blocks = (max_len + block_size - 1) // block_size
     if window is None:
         tables, width = meta.block_tables[a:b, shared:], num_blocks - shared
@@ -128,8 +136,7 @@ def _decode_group(query, key_cache, value_cache, meta, scale, out, a, b, max_len
     else:
         tables, pad = _window_tables(meta, a, b, num_blocks, block_size, window)
         width = tables.shape[1]
-    k = _gather(key_cache, tables, width)  # [kv_heads, n, L_own, d]
-    v = _gather(value_cache, tables, width)
+    k, v = _gather(kv_cache, tables, width)  # each [kv_heads, n, L_own, d]
     pad = pad.view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
     # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
@@ -164,9 +171,9 @@ def _prefix_len(meta: AttentionMetadata, i: int) -> int:
     return meta.seq_lens_cpu[i] - (meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i])
 
 
-def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale,
-             out, window, softcap) -> None:
-    block_size = key_cache.shape[2]
+def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, window,
+             softcap) -> None:
+    block_size = kv_layout.block_size(kv_cache)
     # Chunks with at least one cached block share meta.num_shared_prefill_blocks leading
     # blocks (the runner counted them); those are gathered once for all of them. Not with
     # a window: the shared prefix is mostly outside it.
@@ -176,8 +183,8 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
     first = next((i for i in rows if _prefix_len(meta, i) >= block_size), None)
     if shared and first is not None:
         table = meta.block_tables[first:first + 1, :shared]
-        prefix = (_gather(key_cache, table, shared)[:, 0],
-                  _gather(value_cache, table, shared)[:, 0])
+        pk, pv = _gather(kv_cache, table, shared)
+        prefix = (pk[:, 0], pv[:, 0])
     for i in rows:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, q_len = meta.seq_lens_cpu[i], end - start
@@ -189,7 +196,7 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
         elif prefix is not None and seq_len - q_len >= block_size:
-            out[start:end] = _prefill_after_shared(query[start:end], key_cache, value_cache,
+            out[start:end] = _prefill_after_shared(query[start:end], kv_cache,
                                                    meta.block_tables[i], seq_len, shared,
                                                    prefix, scale, softcap)
             continue
@@ -206,8 +213,9 @@ def _prefill(query, key, value, key_cache, value_cache, meta: AttentionMetadata,
                 num_blocks = (seq_len + block_size - 1) // block_size
                 table = meta.block_tables[i : i + 1, lo // block_size:]
                 own = num_blocks - lo // block_size
-                k = _gather(key_cache, table, own)[:, :, :seq_len - lo].transpose(0, 1)
-                v = _gather(value_cache, table, own)[:, :, :seq_len - lo].transpose(0, 1)
+                k, v = _gather(kv_cache, table, own)
+                k = k[:, :, :seq_len - lo].transpose(0, 1)
+                v = v[:, :, :seq_len - lo].transpose(0, 1)
             # New token j sits at position seq_len - q_len + j; it sees keys at <= that
             # (and, with a window, at > that - window).
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
@@ -237,7 +245,7 @@ def _capped_attention(q, k, v, mask, scale, softcap):
     return torch.matmul(probs, v[0]).view(1, num_heads, q_len, d)
 
 
-def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, prefix, scale,
+def _prefill_after_shared(q, kv_cache, table, seq_len, shared, prefix, scale,
                           softcap):
     """One chunk of q_len new tokens whose first `shared` blocks are the shared prefix:
 
@@ -245,15 +253,15 @@ def _prefill_after_shared(q, key_cache, value_cache, table, seq_len, shared, pre
 
     The shared keys all precede every new token, so they need no mask.
     """
-    kv_heads, _, block_size, d = key_cache.shape
+    _, kv_heads, block_size, d = kv_layout.dims(kv_cache)
     q_len, num_heads = q.shape[0], q.shape[1]
     group = num_heads // kv_heads
     pk, pv = prefix
     start = shared * block_size
     num_blocks = (seq_len + block_size - 1) // block_size
     own_table = table[shared:num_blocks].unsqueeze(0)
-    k = _gather(key_cache, own_table, num_blocks - shared)[:, 0, :seq_len - start]
-    v = _gather(value_cache, own_table, num_blocks - shared)[:, 0, :seq_len - start]
+    k, v = _gather(kv_cache, own_table, num_blocks - shared)
+    k, v = k[:, 0, :seq_len - start], v[:, 0, :seq_len - start]
     # Rows (g, t) of kv head h hold query head h * group + g at new token t.
     qh = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
     common = torch.matmul(qh, pk.transpose(-1, -2)).float().mul_(scale)
@@ -274,8 +282,7 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
@@ -283,7 +290,7 @@ def paged_attention(
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     if meta.num_decodes:
-        _decode(query, key_cache, value_cache, meta, scale, out, window, softcap)
+        _decode(query, kv_cache, meta, scale, out, window, softcap)
     if meta.num_seqs > meta.num_decodes:
-        _prefill(query, key, value, key_cache, value_cache, meta, scale, out, window, softcap)
+        _prefill(query, key, value, kv_cache, meta, scale, out, window, softcap)
     return out

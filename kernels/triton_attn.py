@@ -1,5 +1,6 @@
 """Triton kernels: the cache write and one paged attention kernel for decodes and prefill
-chunks alike (a decode is a chunk of one new token). Cache layout: see kernels/reference.py.
+chunks alike (a decode is a chunk of one new token). Cache layout: kernels/kv_layout.py;
+the kernels take its per-head K and V views and address them by their strides.
 
 On CPU these run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported); that is how CI tests them.
@@ -13,11 +14,11 @@ them. Its rows are (token, head) pairs, token-major:
                                                                           + r % GROUP_PAD
     rows with r % GROUP_PAD >= GROUP, or past the request's new tokens, are padding.
 
-Keys are visited TILE_N at a time; key j's K/V row is found through the block table:
-cache[kv_head, block_tables[req, j // BLOCK_SIZE], j % BLOCK_SIZE]. A new token at
-position p sees keys at positions <= p (its cached prefix, then causal), and with a
-sliding window only those > p - window; the key loop then starts at the first key the
-tile's first token sees. Soft-capping maps scores to softcap * tanh(scores / softcap)
+Keys are visited TILE_N at a time; key j's K/V row is found through the block table, in
+the per-head view: K[kv_head, block_tables[req, j // BLOCK_SIZE], j % BLOCK_SIZE]. A new
+token at position p sees keys at positions <= p (its cached prefix, then causal), and
+with a sliding window only those > p - window; the key loop then starts at the first key
+the tile's first token sees. Soft-capping maps scores to softcap * tanh(scores / softcap)
 before the mask. Softmax is the online (flash) form in fp32: a running max m, a running
 sum l, and the unnormalized output, rescaled by exp(m_old - m_new) whenever the max grows.
 """
@@ -33,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kv_layout
 from .metadata import AttentionMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -72,11 +74,12 @@ def _cache_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    key_cache, value_cache = kv_layout.head_views(kv_cache)
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and key_cache.stride(-1) == 1
     assert key_cache.stride() == value_cache.stride()
     block_t = 16
@@ -185,15 +188,15 @@ def _tiles(group_pad: int, max_query_len: int) -> tuple[int, int]:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Reads every key from the cache (reshape_and_cache ran first); key/value unused.
     window and softcap as in kernels/reference.py; each is a compile-time switch, so the
     plain kernel is unchanged."""
     del key, value
     out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
+    key_cache, value_cache = kv_layout.head_views(kv_cache)
     kv_heads = key_cache.shape[0]
     if num_tokens == 0 or meta.num_seqs == 0:
         return out

@@ -3,15 +3,16 @@ fingerprint), what a prefill engine hands out (a handle on blocks held under a l
 and the connector interface (a sender exposes blocks, a receiver pulls them, and each
 pull has one poll state). Torch-free: the engine imports this module, the router may too.
 
-Both sides hold one tensor per layer, `[K|V, kv_head, block, offset, head_dim]` (see
-services/engine/model_runner.py). A block is therefore not one contiguous range: in each
-layer it is 2 * kv_heads chunks of `block_size * head_dim` elements:
+Both sides hold one tensor per layer, block-major, as kernels/kv_layout.py defines it:
+`[block, K|V, kv_head, offset, head_dim]`. In each layer a block is one contiguous range
+of `layer_block_bytes`: K of every KV head, then V, each `[block_size, head_dim]`:
 
-    layer l tensor:  [ K head0: blk0 blk1 ... blkN-1 | K head1: ... | V head0: ... | ... ]
-    chunk (l, kv, h, b) starts at  ((kv * kv_heads + h) * num_blocks + b) * chunk_bytes
+    layer l tensor:  [ blk0: K h0 .. K hH-1 V h0 .. V hH-1 | blk1: ... | ... | blkN-1 ]
+    block b of layer l starts at  b * layer_block_bytes
 
-Peers must agree on the layout (the fingerprint), not on num_blocks: each side indexes
-its own tensors with its own block count.
+Peers must agree on the layout (the fingerprint; `cache_layout` names the order above, so
+a peer that lays its cache out otherwise is refused, the field named), not on
+num_blocks: each side indexes its own tensors with its own block count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import enum
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+
+import baton.kernels.kv_layout as kv_layout
 
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -50,6 +53,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    cache_layout: str = kv_layout.NAME  # the order of a layer tensor's elements
 
     @property
     def fingerprint(self) -> str:
@@ -61,13 +65,15 @@ class KVLayout:
         return ELEMENT_SIZE[self.dtype]
 
     @property
-    def chunk_bytes(self) -> int:
-        return self.block_size * self.head_dim * self.element_size
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block in one layer, K and V: one contiguous range."""
+        return kv_layout.block_elements(self.num_kv_heads, self.block_size,
+                                        self.head_dim) * self.element_size
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.chunk_bytes
+        return self.num_layers * self.layer_block_bytes
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise IncompatibleLayout naming every field that differs."""
@@ -130,14 +136,15 @@ def check_caches(layout: KVLayout, kv_caches: list) -> int:
     """Validate per-layer tensors against the layout; return their block count."""
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"expected {layout.num_layers} layer tensors, got {len(kv_caches)}")
-    shape = kv_caches[0].shape
-    if (len(shape) != 5 or shape[0] != 2 or shape[1] != layout.num_kv_heads
-            or shape[3] != layout.block_size or shape[4] != layout.head_dim):
-        raise ValueError(f"KV tensor shape {tuple(shape)} does not match {layout}")
+    shape = tuple(kv_caches[0].shape)
+    num_blocks = shape[0] if shape else 0
+    if layout.cache_layout != kv_layout.NAME or shape != kv_layout.shape(
+            num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim):
+        raise ValueError(f"KV tensor shape {shape} does not match {layout}")
     for t in kv_caches:
-        if t.shape != shape or not t.is_contiguous():
+        if tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError("every layer tensor must have the same, contiguous shape")
-    return shape[2]
+    return num_blocks
 
 
 class KVSender(ABC):

@@ -3,9 +3,11 @@
 
 Wire order of one block: layer-major, then K|V, then kv head, then [offset, head_dim]:
 
-    block b bytes = concat over l of  kv_caches[l][:, :, b]   (shape [2, kv_heads, bs, d])
+    block b bytes = concat over l of  kv_caches[l][b]   (shape [2, kv_heads, bs, d])
 
-so n blocks are `n * layout.block_bytes` bytes, block i at offset i * block_bytes.
+so n blocks are `n * layout.block_bytes` bytes, block i at offset i * block_bytes. The
+cache is block-major (kernels/kv_layout.py): in each layer a block is already one
+contiguous run in that order, so reading or writing one is a single slice per layer.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
     if not block_ids:
         return b""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, kv_heads, bs, d]
-    stacked = torch.stack([kv.index_select(2, idx) for kv in kv_caches])
-    raw = stacked.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
-    return raw.view(torch.uint8).numpy().tobytes()
+    # [n, layers, 2, kv_heads, bs, d]: each (block, layer) one contiguous run of the cache
+    stacked = torch.stack([kv.index_select(0, idx) for kv in kv_caches], dim=1).cpu()
+    return stacked.view(torch.uint8).numpy().tobytes()
 
 
 def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
@@ -30,14 +31,13 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
     if not block_ids:
         return
     ref = kv_caches[0]
-    per_block = len(kv_caches) * ref[:, :, 0].numel() * ref.element_size()
+    per_block = len(kv_caches) * ref[0].numel() * ref.element_size()
     if len(data) != per_block * len(block_ids):
         raise ValueError(f"got {len(data)} bytes for {len(block_ids)} blocks of "
                          f"{per_block} bytes")
-    _, kvh, _, bs, d = ref.shape
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     flat = torch.frombuffer(buffer, dtype=torch.uint8).view(ref.dtype)
-    blocks = flat.view(len(block_ids), len(kv_caches), 2, kvh, bs, d).to(ref.device)
+    blocks = flat.view(len(block_ids), len(kv_caches), *ref.shape[1:]).to(ref.device)
     idx = torch.tensor(block_ids, dtype=torch.long, device=ref.device)
     for layer, kv in enumerate(kv_caches):
-        kv.index_copy_(2, idx, blocks[:, layer].permute(1, 2, 0, 3, 4))
+        kv.index_copy_(0, idx, blocks[:, layer])

@@ -1,15 +1,15 @@
 """KV connector over NIXL: the receiver READs a peer's blocks straight out of its KV tensors.
 
-Each layer tensor is `[2, kv_heads, num_blocks, block_size, head_dim]`, so inside a layer
-the chunks (kv, h, b) of `chunk_bytes` each lie back to back, chunk j = kv * kv_heads + h
-of block b at offset `(j * num_blocks + b) * chunk_bytes`. Both sides describe every chunk
-of every layer in one prepped descriptor list, in that order:
+Each layer tensor is block-major (kernels/kv_layout.py): block b of a layer is one
+contiguous range of `layout.layer_block_bytes` (K of every KV head, then V), at offset
+`b * layer_block_bytes`. Both sides describe every (layer, block) range in one prepped
+descriptor list, layer-major:
 
-    index(l, j, b) = (l * 2 * kv_heads + j) * num_blocks + b
+    index(l, b) = l * num_blocks + b
 
-so the chunks of block b are the indices `g * num_blocks + b` for every group g = (l, j).
-A pull pairs remote block r[i] with local block d[i] group by group; each side uses its own
-num_blocks, which is all two compatible peers may differ in.
+so block b is the indices `l * num_blocks + b` for every layer l: one descriptor per
+layer. A pull pairs remote block r[i] with local block d[i] layer by layer; each side uses
+its own num_blocks, which is all two compatible peers may differ in.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from nixl_cu12 import (
     nixl_xfer_handle,
 )
 
+import baton.kernels.kv_layout as kv_layout
+
 from .base import (
     IncompatibleLayout,
     KVHandle,
@@ -40,24 +42,26 @@ from .base import (
 _METADATA_VERSION = 1
 
 
-def _chunk_table(base_addrs: list[int], num_blocks: int, layout: KVLayout,
+def _block_table(base_addrs: list[int], num_blocks: int, layout: KVLayout,
                  device_id: int) -> np.ndarray:
-    """(address, length, device) for every chunk, in the index order above (N x 3)."""
-    cb = layout.chunk_bytes
-    per_layer = 2 * layout.num_kv_heads * num_blocks  # chunks in one layer tensor
-    addrs = (np.asarray(base_addrs, dtype=np.uint64)[:, None]
-             + np.arange(per_layer, dtype=np.uint64)[None, :] * np.uint64(cb))
+    """(address, length, device) for every (layer, block), in the index order above
+    (N x 3). A block's start is kv_layout's offset of its first element."""
+    size = layout.layer_block_bytes
+    starts = kv_layout.offset(np.arange(num_blocks, dtype=np.uint64), kv_layout.K, 0, 0,
+                              kv_heads=layout.num_kv_heads, block_size=layout.block_size,
+                              head_dim=layout.head_dim) * np.uint64(layout.element_size)
+    addrs = np.asarray(base_addrs, dtype=np.uint64)[:, None] + starts[None, :]
     table = np.empty((addrs.size, 3), dtype=np.uint64)
     table[:, 0] = addrs.ravel()
-    table[:, 1] = cb
+    table[:, 1] = size
     table[:, 2] = device_id
     return table
 
 
-def _block_indices(block_ids: list[int], num_blocks: int, num_groups: int) -> np.ndarray:
-    """Descriptor indices of all chunks of the given blocks: group-major, then block order."""
-    groups = np.arange(num_groups, dtype=np.int64)[:, None] * num_blocks
-    return (groups + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel().astype(np.int32)
+def _block_indices(block_ids: list[int], num_blocks: int, num_layers: int) -> np.ndarray:
+    """Descriptor indices of the given blocks in every layer: layer-major, then block order."""
+    layers = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks
+    return (layers + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel().astype(np.int32)
 
 
 def _bad_ids(ids: list[int], num_blocks: int) -> list[int]:
@@ -104,7 +108,6 @@ class NixlConnector(KVSender, KVReceiver):
         self.engine_id = engine_id
         self.layout = layout
         self.num_blocks = check_caches(layout, kv_caches)
-        self.num_groups = layout.num_layers * 2 * layout.num_kv_heads
         device = kv_caches[0].device
         if any(t.device != device for t in kv_caches):
             raise ValueError("every layer tensor must be on the same device")
@@ -124,7 +127,7 @@ class NixlConnector(KVSender, KVReceiver):
         self.agent = _make_agent(engine_id)
         regions = [(addr, layer_bytes, self.device_id, "") for addr in self._base_addrs]
         self._reg = self.agent.register_memory(regions, self.mem_type)
-        table = _chunk_table(self._base_addrs, self.num_blocks, layout, self.device_id)
+        table = _block_table(self._base_addrs, self.num_blocks, layout, self.device_id)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self.mem_type)
 
     # -- sender --------------------------------------------------------------------------
@@ -169,7 +172,7 @@ class NixlConnector(KVSender, KVReceiver):
             if isinstance(name, bytes):
                 name = name.decode()
             try:
-                table = _chunk_table(md["base_addrs"], md["num_blocks"], layout,
+                table = _block_table(md["base_addrs"], md["num_blocks"], layout,
                                      md["device_id"])
                 dlist = self.agent.prep_xfer_dlist(name, table, md["mem_type"])
             except Exception as e:
@@ -193,8 +196,9 @@ class NixlConnector(KVSender, KVReceiver):
             name, _, remote, remote_n = self._peers[engine_id]
             xfer = None
             try:
-                local_idx = _block_indices(local_block_ids, self.num_blocks, self.num_groups)
-                remote_idx = _block_indices(remote_block_ids, remote_n, self.num_groups)
+                layers = self.layout.num_layers
+                local_idx = _block_indices(local_block_ids, self.num_blocks, layers)
+                remote_idx = _block_indices(remote_block_ids, remote_n, layers)
                 xfer = self.agent.make_prepped_xfer("READ", self._local, local_idx,
                                                     remote, remote_idx)
                 state = self.agent.transfer(xfer)

@@ -144,26 +144,25 @@ def kernel_errors(device: str, smoke: bool) -> None:
             for block_size in (16, 32):
                 rng = random.Random(head_dim + block_size)
                 torch.manual_seed(head_dim + block_size)
-                q, k, v, kc, vc, meta = make_batch(rng, block_size, kv_heads, group,
-                                                   head_dim, dtype, decodes, prefills,
-                                                   num_blocks=2048, **long)
-                q, k, v, kc, vc = (t.to(device) for t in (q, k, v, kc, vc))
+                q, k, v, cache, meta = make_batch(rng, block_size, kv_heads, group,
+                                                  head_dim, dtype, decodes, prefills,
+                                                  num_blocks=2048, **long)
+                q, k, v, cache = (t.to(device) for t in (q, k, v, cache))
                 meta = meta.to(device)
-                want_kc, want_vc = kc.clone(), vc.clone()
-                kernels.torch_attn.reshape_and_cache(k, v, want_kc, want_vc, meta.slot_mapping)
-                want = reference.paged_attention(q.float(), None, None, want_kc.float(),
-                                                 want_vc.float(), meta, head_dim**-0.5)
+                want_cache = cache.clone()
+                kernels.torch_attn.reshape_and_cache(k, v, want_cache, meta.slot_mapping)
+                want = reference.paged_attention(q.float(), None, None, want_cache.float(),
+                                                 meta, head_dim**-0.5)
                 cells, write_ok = [], True
                 for name, backend in backends.items():
                     if name == "flash-attn" and backend.unsupported(block_size, head_dim,
                                                                      dtype):
                         cells.append(f"{'n/a':>12}")
                         continue
-                    got_kc, got_vc = kc.clone(), vc.clone()
-                    backend.reshape_and_cache(k, v, got_kc, got_vc, meta.slot_mapping)
-                    write_ok &= torch.equal(got_kc, want_kc) and torch.equal(got_vc, want_vc)
-                    got = backend.paged_attention(q, k, v, got_kc, got_vc, meta,
-                                                  head_dim**-0.5)
+                    got_cache = cache.clone()
+                    backend.reshape_and_cache(k, v, got_cache, meta.slot_mapping)
+                    write_ok &= torch.equal(got_cache, want_cache)
+                    got = backend.paged_attention(q, k, v, got_cache, meta, head_dim**-0.5)
                     cells.append(f"{(got.float() - want).abs().max().item():12.2e}")
                 print(f"{str(dtype)[6:]:9} {head_dim:8}  {block_size:5}  "
                       + "  ".join(cells) + f"  {'exact' if write_ok else 'DIFFERS'}")
@@ -177,14 +176,14 @@ def decode_kernel_times(backends: dict) -> None:
     from triton.testing import do_bench
 
     rng = random.Random(0)
-    q, k, v, kc, vc, meta = make_batch(rng, 16, 8, 4, 128, torch.bfloat16, 64, 0,
-                                       max_prefix=1024, num_blocks=8192)
-    q, kc, vc, meta = q.cuda(), kc.cuda(), vc.cuda(), meta.to("cuda")
+    q, k, v, cache, meta = make_batch(rng, 16, 8, 4, 128, torch.bfloat16, 64, 0,
+                                      max_prefix=1024, num_blocks=8192)
+    q, cache, meta = q.cuda(), cache.cuda(), meta.to("cuda")
     line = []
     for name, backend in backends.items():
         if name == "flash-attn" and backend.unsupported(16, 128, torch.bfloat16):
             continue
-        ms = do_bench(lambda b=backend: b.paged_attention(q, None, None, kc, vc, meta, 0.088))
+        ms = do_bench(lambda b=backend: b.paged_attention(q, None, None, cache, meta, 0.088))
         line.append(f"{name} {ms * 1000:.1f} us")
     print("decode attention, 64 x ~512 tokens avg, bf16, d=128: " + ", ".join(line))
 

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from baton.kernels import kv_layout
 from baton.kernels.metadata import AttentionMetadata
 
 
@@ -14,10 +15,10 @@ def make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: in
                max_prefix: int = 70, max_chunk: int = 40, num_blocks: int = 1024):
     """Random requests: decodes with up to max_prefix tokens before them, then prefill
     chunks of up to max_chunk tokens, half of them after a cached prefix (often starting
-    mid-block). Returns (q, k, v, key_cache, value_cache, meta), all on the CPU; the
-    caches hold random values and the new K/V are not yet written."""
-    kc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    vc = torch.randn_like(kc)
+    mid-block). Returns (q, k, v, kv_cache, meta), all on the CPU: kv_cache is one layer's
+    (kernels/kv_layout.py), holding random values; the new K/V are not yet written."""
+    cache = torch.randn(kv_layout.shape(num_blocks, num_kv_heads, block_size, head_dim),
+                        dtype=dtype)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     q_lens, seq_lens, tables = [], [], []
@@ -56,4 +57,4 @@ def make_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: in
     q = torch.randn(n, num_kv_heads * group, head_dim, dtype=dtype)
     k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
     v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
-    return q, k, v, kc, vc, meta
+    return q, k, v, cache, meta

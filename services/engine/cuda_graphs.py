@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from baton.kernels import kv_layout
 from baton.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class CudaGraphRunner:
         self.pool = None
 
     def _meta(self, n: int) -> AttentionMetadata:
-        width = self.max_blocks * self.kv_caches[0].shape[3]
+        width = self.max_blocks * kv_layout.block_size(self.kv_caches[0])
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
             seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n], num_decodes=n,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import baton.kernels.backend as kernels
+from baton.kernels import kv_layout
 from baton.kernels.lora import LoraBatch
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     # K and V, every layer, every slot of the block.
     item = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * item
+    return mc.num_layers * kv_layout.block_elements(mc.num_kv_heads, block_size,
+                                                    mc.head_dim) * item
 
 
 class ModelRunner:
@@ -89,8 +91,8 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
-        dummy = [torch.zeros(2, self.mc.num_kv_heads, 1, self.block_size, self.mc.head_dim,
-                             dtype=self.dtype, device=self.device)
+        one_block = kv_layout.shape(1, self.mc.num_kv_heads, self.block_size, self.mc.head_dim)
+        dummy = [torch.zeros(one_block, dtype=self.dtype, device=self.device)
                  for _ in range(self.mc.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = _single_prefill_meta(n, self.block_size, self.device)
@@ -119,8 +121,10 @@ class ModelRunner:
         return max(0, budget // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # One tensor per layer: [K|V, kv head, block, offset in block, head dim].
-        shape = (2, self.mc.num_kv_heads, num_blocks, self.block_size, self.mc.head_dim)
+        # One tensor per layer, block-major: [block, K|V, kv head, offset in block, head
+        # dim] (kernels/kv_layout.py).
+        shape = kv_layout.shape(num_blocks, self.mc.num_kv_heads, self.block_size,
+                                self.mc.head_dim)
         self.kv_caches = [_zeros(shape, self.dtype, self.device)
                           for _ in range(self.mc.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks,

@@ -15,13 +15,14 @@ from ..rpc.convert import FINISH, logprobs_messages, set_stop_reason
 def layout_message(layout: KVLayout) -> wk.KvLayout:
     return wk.KvLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       head_dim=layout.head_dim, fingerprint=layout.fingerprint)
+                       head_dim=layout.head_dim, fingerprint=layout.fingerprint,
+                       cache_layout=layout.cache_layout)
 
 
 def layout_from_message(msg: wk.KvLayout) -> KVLayout:
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
                     num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
-                    head_dim=msg.head_dim)
+                    head_dim=msg.head_dim, cache_layout=msg.cache_layout)
 
 
 def model_info_message(info: ModelInfo) -> gen.ModelInfo:

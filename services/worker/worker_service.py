@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from baton.kernels import kv_layout
 from baton.kv_transfer.blocks import read_blocks
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
@@ -29,7 +30,7 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         self.role = role
         self.lifecycle = lifecycle
         self.kv_caches = engine.kv_caches
-        self.num_blocks = engine.kv_caches[0].shape[2]
+        self.num_blocks = kv_layout.num_blocks(engine.kv_caches[0])
         self.layout = layout_message(engine.kv_layout)
         self.model_info = model_info_message(engine.model_info)
 

@@ -272,7 +272,7 @@ def test_preempted_decode_recomputes_instead_of_pulling_again(pair, llm):
             outs.setdefault(o.request_id, []).append(o)
     p.release_lease("r0")
     for kv in p.runner.kv_caches:  # the prefill engine reused those blocks
-        kv[:, :, blocks] = 0
+        kv[blocks] = 0  # whole blocks (kernels/kv_layout.py)
     pulled = d.stats().num_blocks_pulled
     req = d.scheduler.requests["r0"]
     d.scheduler.running.remove(req)
@@ -342,7 +342,7 @@ def test_a_pull_of_blocks_no_longer_leased_is_caught_and_recomputed(pair, llm):
     firsts = _prefill(p, [PROMPTS[1]], params)
     assert p.release_lease("r0")  # as if it expired
     for kv in p.kv_caches:  # another request's KV now sits in those blocks
-        kv[:, :, firsts["r0"].kv_block_ids] = 0.5
+        kv[firsts["r0"].kv_block_ids] = 0.5  # whole blocks (kernels/kv_layout.py)
     failures = d.stats().num_load_failures
     _handoff(p, d, firsts, params)
     outs = _drain(d)

@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("nixl_cu12")
 
+from baton.kernels import kv_layout  # noqa: E402
 from baton.kv_transfer.base import (  # noqa: E402
     IncompatibleLayout,
     KVHandle,
@@ -49,7 +50,7 @@ def _layout(dtype: str = "bfloat16", block_size: int = 16) -> KVLayout:
 
 
 def _caches(layout: KVLayout, num_blocks: int, random: bool) -> list[torch.Tensor]:
-    shape = (2, layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
+    shape = kv_layout.shape(num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim)
     dtype = getattr(torch, layout.dtype)
     if random:
         return [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(layout.num_layers)]
@@ -57,8 +58,8 @@ def _caches(layout: KVLayout, num_blocks: int, random: bool) -> list[torch.Tenso
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes, shaped [2, kv_heads, num_blocks, -1]: block b is [:, :, b]."""
-    return t.cpu().view(torch.uint8).reshape(*t.shape[:3], -1).numpy()
+    """The tensor's bytes, shaped [num_blocks, -1]: block b is [b] (kernels/kv_layout.py)."""
+    return t.cpu().view(torch.uint8).reshape(kv_layout.num_blocks(t), -1).numpy()
 
 
 def _sender_main(conn, engine_id: str, layout: KVLayout, num_blocks: int, seed: int) -> None:
@@ -135,9 +136,9 @@ def _assert_pulled(caches: list[torch.Tensor], peer: Peer, remote: list[int],
     for layer, (t, sent) in enumerate(zip(caches, peer.layers, strict=True)):
         got = _raw(t)
         for r, d in zip(remote, local, strict=True):
-            assert np.array_equal(got[:, :, d], sent[:, :, r]), f"layer {layer} block {d}"
+            assert np.array_equal(got[d], sent[r]), f"layer {layer} block {d}"
         others = [b for b in range(RECEIVER_BLOCKS) if b not in local]
-        assert not got[:, :, others].any(), f"layer {layer}: a block outside {local} changed"
+        assert not got[others].any(), f"layer {layer}: a block outside {local} changed"
 
 
 def test_pull_scattered_blocks(peer):
@@ -221,7 +222,7 @@ def test_dead_peer_fails_fast():
         # NIXL sees the UCX endpoint fail and refuses to post: FAILED at once
         state, reason = _within(TIMEOUT_S, pull_from_dead_peer)
         assert state is TransferState.FAILED and "DISCONNECT" in reason
-        assert not any(t[:, :, LOCAL_IDS].any() for t in caches)
+        assert not any(t[LOCAL_IDS].any() for t in caches)
 
         # a connector that never met the peer cannot add it: UCX is refused at once
         with _receiver(peer.layout) as (late, _):
@@ -249,7 +250,7 @@ def test_idle_connector_does_not_burn_a_core():
     process left behind); a busy machine can only make a spinning thread look idler."""
     layout = KVLayout(model="m", dtype="float32", block_size=16, num_layers=2, num_kv_heads=2,
                       head_dim=8)
-    caches = [torch.zeros(2, 2, 4, 16, 8) for _ in range(2)]
+    caches = [torch.zeros(kv_layout.shape(4, 2, 16, 8)) for _ in range(2)]
     before = set(_threads())
     connector = NixlConnector(f"idle-{uuid.uuid4().hex[:8]}", layout, caches)
     try:

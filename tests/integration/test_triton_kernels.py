@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from baton.kernels import reference
+from baton.kernels import kv_layout, reference
 from baton.kernels.metadata import AttentionMetadata
 from tests.kernel_batch import make_batch as _make_batch
 
@@ -27,24 +27,24 @@ def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, pref
            window=None, softcap=None, **batch):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    q, k, v, kc, vc, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
-                                        dtype, decodes, prefills, **batch)
+    q, k, v, cache, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
+                                       dtype, decodes, prefills, **batch)
     # Cache write: exact bytes, against the reference's write.
-    ref_kc, ref_vc = kc.clone(), vc.clone()
-    reference.reshape_and_cache(k, v, ref_kc, ref_vc, meta.slot_mapping)
-    dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
+    ref_cache = cache.clone()
+    reference.reshape_and_cache(k, v, ref_cache, meta.slot_mapping)
+    dev_cache = cache.to(DEVICE)
     meta = meta.to(DEVICE)
-    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
-                                  meta.slot_mapping)
-    assert torch.equal(dev_kc.cpu(), ref_kc) and torch.equal(dev_vc.cpu(), ref_vc)
+    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_cache, meta.slot_mapping)
+    assert torch.equal(dev_cache.cpu(), ref_cache)
     # Attention: within the dtype's rounding of an fp32 reference on the same inputs.
     scale = head_dim**-0.5
-    want = reference.paged_attention(q.float(), None, None, ref_kc.float(), ref_vc.float(),
-                                     meta, scale, window, softcap)
+    want = reference.paged_attention(q.float(), None, None, ref_cache.float(), meta, scale,
+                                     window, softcap)
     if window is not None:
         # NaN into the blocks wholly before the first key that a request's first new token
         # sees: the kernel must start its key loop after them.
         bs, poisoned = block_size, 0
+        dev_kc, dev_vc = kv_layout.head_views(dev_cache)
         for i in range(meta.num_seqs):
             q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
             first_key = max(0, meta.seq_lens_cpu[i] - q_len - window + 1)
@@ -53,7 +53,7 @@ def _check(seed, block_size, num_kv_heads, group, head_dim, dtype, decodes, pref
             dev_vc[:, blocks] = float("nan")
             poisoned += len(blocks)
         assert poisoned or window > meta.max_seq_len
-    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, scale,
+    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_cache, meta, scale,
                                       window=window, softcap=softcap)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
@@ -113,10 +113,8 @@ def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
     and write only block 0, and real rows must be unaffected by the full table width."""
     torch.manual_seed(0)
     bs, kvh, group, d = 16, 3, 3, 64
-    kc = torch.randn(kvh, 32, bs, d)
-    vc = torch.randn_like(kc)
-    kc[:, 0] = 0
-    vc[:, 0] = 0
+    cache = torch.randn(kv_layout.shape(32, kvh, bs, d))
+    cache[0] = 0  # the null block, K and V
     lens = [37, 5, 1, 1]  # two real decodes, two padding rows
     table = torch.tensor([[3, 4, 5, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * 6, [0] * 6],
                          dtype=torch.int32)
@@ -130,15 +128,17 @@ def test_padding_rows_of_a_graph_batch_touch_only_the_null_block():
     q = torch.randn(4, kvh * group, d)
     k, v = torch.randn(4, kvh, d), torch.randn(4, kvh, d)
     k[2:], v[2:] = 0, 0
-    before = kc.clone()
-    dev_kc, dev_vc = kc.to(DEVICE), vc.to(DEVICE)
+    before = cache.clone()
+    dev_cache = cache.to(DEVICE)
     meta = meta.to(DEVICE)
-    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_kc, dev_vc,
-                                  meta.slot_mapping)
-    changed = (dev_kc.cpu() != before).any(-1).any(0).nonzero().tolist()
-    assert changed == [[5, 4], [7, 4]]  # (block, offset) of the two real tokens only
-    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_kc, dev_vc, meta, 0.125)
-    want = reference.paged_attention(q, None, None, dev_kc.cpu(), dev_vc.cpu(), meta, 0.125)
+    triton_attn.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), dev_cache, meta.slot_mapping)
+    # K and V, each [kv_heads, blocks, bs, d]: the (block, offset) rows that changed
+    for now, then in zip(kv_layout.head_views(dev_cache.cpu()), kv_layout.head_views(before),
+                         strict=True):
+        changed = (now != then).any(-1).any(0).nonzero().tolist()
+        assert changed == [[5, 4], [7, 4]]  # (block, offset) of the two real tokens only
+    got = triton_attn.paged_attention(q.to(DEVICE), None, None, dev_cache, meta, 0.125)
+    want = reference.paged_attention(q, None, None, dev_cache.cpu(), meta, 0.125)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 

@@ -113,18 +113,18 @@ def test_cuda_prefers_flash_attn_then_triton_then_torch(fake_flash, monkeypatch)
 
 @pytest.mark.parametrize("build,block_size", [("vllm_flash_attn", 16), ("flash_attn", 32)])
 def test_flash_wrapper_passes_our_paged_layout(fake_flash, monkeypatch, build, block_size):
-    """Our [kv_heads, blocks, block_size, d] cache, seen by flash-attn as [blocks,
-    block_size, kv_heads, d] without a copy: same outputs as the reference."""
+    """Our block-major cache, seen by flash-attn as [blocks, block_size, kv_heads, d]
+    without a copy: same outputs as the reference."""
     if build == "flash_attn":
         monkeypatch.setitem(sys.modules, "vllm_flash_attn", None)  # only upstream imports
     flash = fake_flash(build)
     assert flash.BUILD == build
     rng = random.Random(block_size)
     torch.manual_seed(block_size)
-    q, k, v, kc, vc, meta = _make_batch(rng, block_size, 2, 3, 64, torch.float32, 3, 3)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.125)
-    got = flash.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    q, k, v, cache, meta = _make_batch(rng, block_size, 2, 3, 64, torch.float32, 3, 3)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    want = reference.paged_attention(q, k, v, cache, meta, 0.125)
+    got = flash.paged_attention(q, k, v, cache, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -135,16 +135,16 @@ def test_flash_wrapper_passes_window_and_softcap(fake_flash, monkeypatch):
     flash = fake_flash("vllm_flash_attn")
     rng = random.Random(4)
     torch.manual_seed(4)
-    q, k, v, kc, vc, meta = _make_batch(rng, 16, 2, 3, 64, torch.float32, 3, 3)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    q, k, v, cache, meta = _make_batch(rng, 16, 2, 3, 64, torch.float32, 3, 3)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
     for window, softcap in [(5, None), (37, 2.0), (None, 2.0)]:
-        want = reference.paged_attention(q, k, v, kc, vc, meta, 0.125, window, softcap)
-        got = flash.paged_attention(q, k, v, kc, vc, meta, 0.125, window=window,
+        want = reference.paged_attention(q, k, v, cache, meta, 0.125, window, softcap)
+        got = flash.paged_attention(q, k, v, cache, meta, 0.125, window=window,
                                     softcap=softcap)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", None)
     flash = fake_flash("flash_attn")
     with pytest.raises(NotImplementedError, match="no window_size= argument"):
-        flash.paged_attention(q, k, v, kc, vc, meta, 0.125, window=5)
+        flash.paged_attention(q, k, v, cache, meta, 0.125, window=5)
     with pytest.raises(NotImplementedError, match="no softcap= argument"):
-        flash.paged_attention(q, k, v, kc, vc, meta, 0.125, softcap=2.0)
+        flash.paged_attention(q, k, v, cache, meta, 0.125, softcap=2.0)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from baton.kernels import cpu_ops, reference, torch_attn
+from baton.kernels import cpu_ops, kv_layout, reference, torch_attn
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 from tests.kernel_batch import make_batch as _make_batch
 
@@ -28,37 +28,39 @@ def test_attention_matches_reference(block_size, num_kv_heads, group, decodes, p
     rng = random.Random(hash((block_size, num_kv_heads, group, decodes, prefills)))
     torch.manual_seed(rng.randint(0, 1 << 30))
     head_dim = rng.choice([32, 64])
-    q, k, v, kc, vc, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
-                                        torch.float32, decodes, prefills)
-    kc2, vc2 = kc.clone(), vc.clone()
-    reference.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    torch_attn.reshape_and_cache(k, v, kc2, vc2, meta.slot_mapping)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    q, k, v, cache, meta = _make_batch(rng, block_size, num_kv_heads, group, head_dim,
+                                       torch.float32, decodes, prefills)
+    cache2 = cache.clone()
+    reference.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    torch_attn.reshape_and_cache(k, v, cache2, meta.slot_mapping)
+    assert torch.equal(cache, cache2)
     scale = head_dim**-0.5
-    want = reference.paged_attention(q, k, v, kc, vc, meta, scale)
-    got = torch_attn.paged_attention(q, k, v, kc2, vc2, meta, scale)
+    want = reference.paged_attention(q, k, v, cache, meta, scale)
+    got = torch_attn.paged_attention(q, k, v, cache2, meta, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_attention_bf16_close_to_fp32_reference():
     rng = random.Random(7)
-    q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(),
-                                    meta, 0.125)
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    q, k, v, cache, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), cache.float(), meta,
+                                     0.125)
+    got = torch_attn.paged_attention(q, k, v, cache, meta, 0.125)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_cache_write_lands_in_the_right_slot():
-    kc = torch.zeros(2, 4, 16, 8)  # [kv_heads, blocks, block_size, head_dim]
-    vc = torch.zeros_like(kc)
+    cache = torch.zeros(kv_layout.shape(4, 2, 16, 8))  # 4 blocks, 2 KV heads
+    kc, vc = kv_layout.head_views(cache)  # [kv_heads, blocks, block_size, head_dim]
     key = torch.arange(1, 3 * 2 * 8 + 1, dtype=torch.float32).view(3, 2, 8)
     slots = torch.tensor([16 * 2 + 5, 16 * 3 + 0, 15])
-    torch_attn.reshape_and_cache(key, -key, kc, vc, slots)
+    torch_attn.reshape_and_cache(key, -key, cache, slots)
     assert torch.equal(kc[:, 2, 5], key[0]) and torch.equal(kc[:, 3, 0], key[1])
     assert torch.equal(kc[:, 0, 15], key[2]) and torch.equal(vc[:, 0, 15], -key[2])
-    assert kc.abs().sum() == key.abs().sum()  # nothing else was written
+    assert torch.equal(vc[:, 2, 5], -key[0]) and torch.equal(vc[:, 3, 0], -key[1])
+    # nothing else was written
+    assert kc.abs().sum() == key.abs().sum() and vc.abs().sum() == key.abs().sum()
 
 
 @pytest.mark.parametrize("dtype,shared_blocks,window,softcap", [
@@ -75,8 +77,7 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks, win
     as the reference."""
     torch.manual_seed(shared_blocks)
     bs, kvh, group, d, n = 16, 3, 3, 64, 40  # 40 rows: more than one decode group
-    kc = torch.randn(kvh, 512, bs, d, dtype=dtype)
-    vc = torch.randn_like(kc)
+    cache = torch.randn(kv_layout.shape(512, kvh, bs, d), dtype=dtype)
     prefix = list(range(1, shared_blocks + 1))
     next_block = shared_blocks + 1
     tables, lens = [], []
@@ -98,9 +99,9 @@ def test_decodes_sharing_prefix_blocks_match_reference(dtype, shared_blocks, win
     )
     assert meta.num_shared_blocks == shared_blocks
     q = torch.randn(n, kvh * group, d, dtype=dtype)
-    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125,
+    want = reference.paged_attention(q.float(), None, None, cache.float(), meta, 0.125,
                                      window, softcap)
-    got = torch_attn.paged_attention(q, None, None, kc, vc, meta, 0.125, window, softcap)
+    got = torch_attn.paged_attention(q, None, None, cache, meta, 0.125, window, softcap)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -116,8 +117,7 @@ def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype, window, sof
     cached take the plain paths."""
     torch.manual_seed(11)
     bs, kvh, group, d = 16, 3, 3, 64
-    kc = torch.randn(kvh, 256, bs, d, dtype=dtype)
-    vc = torch.randn_like(kc)
+    cache = torch.randn(kv_layout.shape(256, kvh, bs, d), dtype=dtype)
     shared = [1, 2, 3]
     # (cached prefix length, new tokens): fresh, short prefix, then shared-prefix chunks
     # with own cached tokens and chunks starting mid-block.
@@ -151,10 +151,10 @@ def test_prefill_chunks_after_a_shared_prefix_match_reference(dtype, window, sof
     # The fresh chunk reads its new K/V directly: write them so the reference sees them.
     slots = [t[p // bs] * bs + p % bs for t, (pre, ql) in zip(tables, rows, strict=True)
              for p in range(pre, pre + ql)]
-    torch_attn.reshape_and_cache(k, v, kc, vc, torch.tensor(slots))
-    want = reference.paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125,
+    torch_attn.reshape_and_cache(k, v, cache, torch.tensor(slots))
+    want = reference.paged_attention(q.float(), None, None, cache.float(), meta, 0.125,
                                      window, softcap)
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125, window, softcap)
+    got = torch_attn.paged_attention(q, k, v, cache, meta, 0.125, window, softcap)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -194,8 +194,8 @@ def test_reference_window_and_softcap_match_dense_attention(window, softcap):
     assert not torch.allclose(want, dense(None, None), atol=1e-3), "the test tests nothing"
     # Every request reads the same sequence, in the same (shuffled) blocks.
     blocks = torch.randperm(20)[:seq // bs] + 1
-    kc = torch.full((kvh, 21, bs, d), float("nan"), dtype=torch.float64)
-    vc = kc.clone()
+    cache = torch.full(kv_layout.shape(21, kvh, bs, d), float("nan"), dtype=torch.float64)
+    kc, vc = kv_layout.head_views(cache)
     kc[:, blocks] = K.view(seq // bs, bs, kvh, d).permute(2, 0, 1, 3)
     vc[:, blocks] = V.view(seq // bs, bs, kvh, d).permute(2, 0, 1, 3)
     # (cached prefix, new tokens): decodes first, then a fresh chunk and cached-prefix ones.
@@ -213,7 +213,7 @@ def test_reference_window_and_softcap_match_dense_attention(window, softcap):
         query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_seq_len=max(lens),
         max_query_len=12, decode_max_seq_len=40,
     )
-    got = reference.paged_attention(Q[positions], None, None, kc, vc, meta, scale,
+    got = reference.paged_attention(Q[positions], None, None, cache, meta, scale,
                                     window=window, softcap=softcap)
     # The reference computes in fp32.
     torch.testing.assert_close(got, want[positions], rtol=1e-5, atol=1e-5)
@@ -226,28 +226,29 @@ def test_window_and_softcap_match_reference(block_size, window, softcap):
     mid-block), GQA, against the reference."""
     rng = random.Random(block_size * 1000 + (window or 0) + int(softcap or 0))
     torch.manual_seed(rng.randint(0, 1 << 30))
-    q, k, v, kc, vc, meta = _make_batch(rng, block_size, 2, 3, 32, torch.float32, 6, 4)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.2, window, softcap)
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window,
+    q, k, v, cache, meta = _make_batch(rng, block_size, 2, 3, 32, torch.float32, 6, 4)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    want = reference.paged_attention(q, k, v, cache, meta, 0.2, window, softcap)
+    got = torch_attn.paged_attention(q, k, v, cache, meta, 0.2, window=window,
                                      softcap=softcap)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_window_and_softcap_bf16_close_to_fp32_reference():
     rng = random.Random(8)
-    q, k, v, kc, vc, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q.float(), k.float(), v.float(), kc.float(), vc.float(),
-                                     meta, 0.125, window=21, softcap=2.0)
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.125, window=21, softcap=2.0)
+    q, k, v, cache, meta = _make_batch(rng, 16, 3, 3, 64, torch.bfloat16, 6, 3)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    want = reference.paged_attention(q.float(), k.float(), v.float(), cache.float(), meta,
+                                     0.125, window=21, softcap=2.0)
+    got = torch_attn.paged_attention(q, k, v, cache, meta, 0.125, window=21, softcap=2.0)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def _poison_outside_window(kc, vc, meta, window):
+def _poison_outside_window(cache, meta, window):
     """NaN into every block wholly before the first key that a request's first new token
     sees: a path that reads any of them returns NaN. Returns how many were poisoned."""
-    bs = kc.shape[2]
+    kc, vc = kv_layout.head_views(cache)
+    bs = kv_layout.block_size(cache)
     count = 0
     for i in range(meta.num_seqs):
         q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
@@ -267,12 +268,12 @@ def test_window_reads_only_the_blocks_it_touches(window, graph_width):
     from a clean cache). Also at a CUDA graph's full-table width for the decodes."""
     rng = random.Random(window)
     torch.manual_seed(window)
-    q, k, v, kc, vc, meta = _make_batch(rng, 8, 2, 2, 32, torch.float32, 5, 4,
-                                        max_prefix=90)
-    torch_attn.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
-    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window)
-    assert _poison_outside_window(kc, vc, meta, window) > 5
+    q, k, v, cache, meta = _make_batch(rng, 8, 2, 2, 32, torch.float32, 5, 4,
+                                       max_prefix=90)
+    torch_attn.reshape_and_cache(k, v, cache, meta.slot_mapping)
+    want = reference.paged_attention(q, k, v, cache, meta, 0.2, window=window)
+    assert _poison_outside_window(cache, meta, window) > 5
     if graph_width:
         meta.decode_max_seq_len = meta.block_tables.shape[1] * 8
-    got = torch_attn.paged_attention(q, k, v, kc, vc, meta, 0.2, window=window)
+    got = torch_attn.paged_attention(q, k, v, cache, meta, 0.2, window=window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -27,7 +27,7 @@ INTERNAL = "baton.worker.v1"  # the workers' internal API's (protos/baton/worker
 ALLOWED = {
     "kernels": set(),
     "protos": {STUBS},  # generated stubs import each other as baton.v1.*
-    "kv_transfer": {STUBS},
+    "kv_transfer": {STUBS, "kernels.kv_layout"},  # the cache layout, defined once
     "services": {"kernels", STUBS, INTERNAL, "services", *CONTRACT},
     "services/common": set(),
     "services/engine": {"kernels", "services.common", "services.lora", *CONTRACT},
@@ -49,6 +49,7 @@ FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/common": {"torch", "grpc
                          "services/lora/names.py": {"torch", "grpc"},
                          "services/lora/paths.py": {"torch", "grpc"},
                          "services/rpc": {"torch"}, "kv_transfer/base.py": {"torch"},
+                         "kernels/kv_layout.py": {"torch"},
                          "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 MAX_LINES = 400

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.kv_transfer.base import KVLayout
 from baton.services.rpc.cluster import ClusterToken
 from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.services.worker.messages import layout_from_message
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.worker.v1 import worker_pb2 as wk
@@ -222,10 +222,7 @@ def worker_stats(worker: str) -> wk.GetStatsResponse:
 def kv_shape(worker: str) -> tuple[int, int, int]:
     """(vocab size, block size, bytes per block) as the serving worker reports them."""
     st = worker_stats(worker)
-    lay = st.layout
-    layout = KVLayout(model=lay.model, dtype=lay.dtype, block_size=lay.block_size,
-                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                      head_dim=lay.head_dim)
+    layout = layout_from_message(st.layout)
     return st.model_info.vocab_size, layout.block_size, layout.block_bytes
 
 

@@ -188,10 +188,8 @@ class Attention(nn.Module):
         # q and k heads side by side: one RoPE pass for both.
         q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = backend.paged_attention(q, k, v, key_cache, value_cache, meta, self.scale,
-                                    **self.features)
+        backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        o = backend.paged_attention(q, k, v, kv_cache, meta, self.scale, **self.features)
         o = o.reshape(t, self.q_size)
         out = linear(o, self.o_weight, self.packed.get("o"), self.o_bias)
         return out if self.lora is None else self.lora("o", o, out)
