@@ -68,8 +68,11 @@ template <typename T> inline void store_n(T* p, vf v, int k) {
 
 // Rounded as the model dtype would round it: what a torch op on T-typed tensors returns.
 inline vf round_as(vf v, const float*) { return v; }
-inline vf round_as(vf v, const c10::BFloat16* t) {
-  c10::BFloat16 tmp[W]; store(tmp, v); (void)t; return load(tmp);
+inline vf round_as(vf v, const c10::BFloat16*) {  // as store() rounds, in registers
+  vu u; std::memcpy(&u, &v, sizeof u);
+  vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  vf out; std::memcpy(&out, &r, sizeof out);
+  return v != v ? v : out;
 }
 inline vf round_as(vf v, const c10::Half* t) {
   c10::Half tmp[W]; store(tmp, v); (void)t; return load(tmp);

@@ -83,6 +83,7 @@ def measure(llm: LLM, steps: int) -> tuple[Timer, float]:
     backend = model.backend
     with (patched(layers, "linear", timer.wrap("matmul", layers.linear, linear_flops)),
           patched(layers.RMSNorm, "forward", timer.wrap("norm", layers.RMSNorm.forward)),
+          patched(layers.RMSNorm, "add", timer.wrap("norm", layers.RMSNorm.add)),
           patched(layers, "apply_rope", timer.wrap("rope", layers.apply_rope)),
           patched(layers.RotaryEmbedding, "forward",
                   timer.wrap("rope", layers.RotaryEmbedding.forward)),
