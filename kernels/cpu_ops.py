@@ -5,6 +5,7 @@ time from the CPU's flags.
     rms_norm      the residual add and RMSNorm: one pass over the row, not three ops
     silu_and_mul  SiLU of the gate times the up projection
     decode        decode attention read in place through the block tables (attention.h)
+    prefill       every prefill chunk of a step in one call, flash-style (prefill.h)
 
 A build for one ISA is compiled with that ISA's flags only: never -march=native (a cached
 build must load on any CPU with the same flags), never -ffast-math (softmax keeps its
@@ -37,6 +38,8 @@ SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
 # Best first: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # AVX-512 and its bf16 pair products (vdpbf16ps: prefill attention's bf16 path).
+    "avx512_bf16": ((*_AVX512, "avx512_bf16"), (*(f"-m{f}" for f in _AVX512), "-mavx512bf16")),
     "avx512": (_AVX512, tuple(f"-m{f}" for f in _AVX512)),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "portable": ((), ()),
@@ -47,10 +50,16 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # with AVX-512, where torch's own ops run their AVX-512 code: the avx2 and portable rows
 # compare against that, so they are conservative for a CPU that has only AVX2.
 FASTER: dict[str, frozenset[str]] = {
-    "rms_norm": frozenset({"avx512", "avx2"}),
-    "silu_and_mul": frozenset({"avx512"}),
-    "decode": frozenset({"avx512", "avx2", "portable"}),
+    "rms_norm": frozenset({"avx512_bf16", "avx512", "avx2"}),
+    "silu_and_mul": frozenset({"avx512_bf16", "avx512"}),
+    "decode": frozenset({"avx512_bf16", "avx512", "avx2", "portable"}),
+    # bf16 pair products only: the fp32 tiles of other ISAs were at best even with SDPA.
+    "prefill": frozenset({"avx512_bf16"}),
 }
+# The prefill kernel's head sizes (a multiple of every ISA's vector width, 16 floats), and
+# the dtypes it serves: bf16, measured; fp32 and fp16 run it in tests (every_kernel).
+PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)
+PREFILL_DTYPES = frozenset({torch.bfloat16})
 
 
 def cpu_flags() -> set[str]:
@@ -91,14 +100,20 @@ def set_isa(name: str) -> None:
 
 
 @contextlib.contextmanager
-def using(name: str) -> Iterator[None]:
-    """Serve from `name`'s build inside the block (tests)."""
-    old = isa
+def using(name: str, every_kernel: bool = False) -> Iterator[None]:
+    """Serve from `name`'s build inside the block; with every_kernel, every kernel serves
+    there, for every dtype, faster or not (tests run each kernel through each ISA)."""
+    global FASTER, PREFILL_DTYPES
+    old = isa, FASTER, PREFILL_DTYPES
     set_isa(name)
+    if every_kernel:
+        FASTER = {kernel: frozenset(ISAS) for kernel in FASTER}
+        PREFILL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
     try:
         yield
     finally:
-        set_isa(old)
+        set_isa(old[0])
+        FASTER, PREFILL_DTYPES = old[1], old[2]
 
 
 def _source_hash() -> str:

@@ -173,6 +173,14 @@ def _prefix_len(meta: AttentionMetadata, i: int) -> int:
 
 def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, window,
              softcap) -> None:
+    ops = cpu_ops.serves("prefill", query.device)
+    if (ops is not None and query.shape[-1] in cpu_ops.PREFILL_HEAD_DIMS
+            and query.dtype in cpu_ops.PREFILL_DTYPES):
+        # Every chunk in one call, keys read through the block tables (kernels/cpu/prefill.h).
+        ops.prefill(query, *kv_layout.head_views(kv_cache), meta.block_tables, meta.seq_lens,
+                    meta.query_start_loc, meta.num_decodes, out, scale, window or 0,
+                    softcap or 0.0)
+        return
     block_size = kv_layout.block_size(kv_cache)
     # Chunks with at least one cached block share meta.num_shared_prefill_blocks leading
     # blocks (the runner counted them); those are gathered once for all of them. Not with

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "prefill.h"
 #include "vec.h"
 
 namespace baton {
@@ -123,6 +124,34 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   });
 }
 
+// Every prefill chunk of a step (sequences first_seq.. of lens/starts), see prefill.h.
+void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+             const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts,
+             int64_t first_seq, at::Tensor& out, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.stride(2) == 1 && kc.stride(3) == 1 && out.stride(2) == 1);
+  TORCH_CHECK(kc.strides() == vc.strides() && tables.dtype() == at::kInt &&
+              lens.dtype() == at::kInt && starts.dtype() == at::kInt &&
+              q.size(1) % kc.size(0) == 0);
+  const int64_t d = q.size(2);
+  by_dtype(q.scalar_type(), "prefill", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    auto run = [&](auto c) {
+      prefill_impl<decltype(c)::value, scalar_t>(q, kc, vc, tables, lens, starts, first_seq,
+                                                 out, float(scale), window, float(softcap));
+    };
+    switch (d / W * (d % W == 0)) {
+      case 1: return run(std::integral_constant<int, 1>{});
+      case 2: return run(std::integral_constant<int, 2>{});
+      case 4: return run(std::integral_constant<int, 4>{});
+      case 8: return run(std::integral_constant<int, 8>{});
+      case 16: return run(std::integral_constant<int, 16>{});
+      case 32: return run(std::integral_constant<int, 32>{});
+      case 64: return run(std::integral_constant<int, 64>{});
+      default: TORCH_CHECK(false, "prefill: head_dim ", d, " is not served");
+    }
+  });
+}
+
 }  // namespace baton
 
 // TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
@@ -135,10 +164,13 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor(a!) out, "
         "float scale, int window, float softcap) -> ()");
+  m.def("prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor starts, "
+        "int first_seq, Tensor(a!) out, float scale, int window, float softcap) -> ()");
 }
 
 BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
   m.impl("rms_norm", &baton::rms_norm);
   m.impl("silu_and_mul", &baton::silu_and_mul);
   m.impl("decode", &baton::decode);
+  m.impl("prefill", &baton::prefill);
 }

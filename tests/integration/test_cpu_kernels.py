@@ -37,12 +37,10 @@ def _built(isa: str):
 
 @pytest.fixture(autouse=True, params=ISAS)
 def decode_path(request, monkeypatch):
-    """Every kernel serves, on this ISA, for shared prefixes too."""
+    """Every kernel serves, on this ISA, for every dtype and for shared prefixes too."""
     _built(request.param)
-    for kernel in cpu_ops.FASTER:
-        monkeypatch.setitem(cpu_ops.FASTER, kernel, frozenset(ISAS))
     monkeypatch.setattr(torch_attn, "CASCADE_ON_CPU", False)
-    with cpu_ops.using(request.param):
+    with cpu_ops.using(request.param, every_kernel=True):
         yield f"c++ decode ({request.param})"
 
 

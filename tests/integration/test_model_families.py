@@ -44,14 +44,12 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(params=cpu_ops.supported())
-def isa(request, monkeypatch):
+def isa(request):
     """Every C++ kernel serving from this ISA's build (tests/integration/test_cpu_kernels.py
     says where they cannot build)."""
     if cpu_ops.ops(request.param) is None:
         pytest.skip(f"no CPU kernels for {request.param}: {cpu_ops.failure(request.param)}")
-    for kernel in cpu_ops.FASTER:
-        monkeypatch.setitem(cpu_ops.FASTER, kernel, frozenset(cpu_ops.supported()))
-    with cpu_ops.using(request.param):
+    with cpu_ops.using(request.param, every_kernel=True):
         yield request.param
 
 

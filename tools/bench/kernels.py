@@ -62,6 +62,42 @@ def decode_batch(rows: int, length: int, shared_blocks: int):
     return q, cache, meta
 
 
+def prefill_batch(chunks: list[tuple[int, int]]):
+    """Prefill chunks of (cached tokens, new tokens), K/V written to the cache already."""
+    per = [-(-(c + n) // BLOCK) for c, n in chunks]
+    cache = torch.randn(kv_layout.shape(sum(per) + 1, KV_HEADS, BLOCK, HEAD_DIM), dtype=DTYPE)
+    ids = list(range(1, sum(per) + 1))
+    random.Random(1).shuffle(ids)
+    tables = torch.zeros(len(chunks), max(per), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = torch.tensor(ids[at:at + n])
+        at += n
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    lens = [c + n for c, n in chunks]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, num_decodes=0,
+        query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
+        max_query_len=max(n for _, n in chunks), decode_max_seq_len=0)
+    q = torch.randn(starts[-1], HEADS, HEAD_DIM, dtype=DTYPE)
+    k = torch.randn(starts[-1], KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    return q, k, torch.randn_like(k), cache, meta
+
+
+def without(kernel: str, fn):
+    """fn() with `kernel` not serving: torch's ops instead."""
+    saved = cpu_ops.FASTER[kernel]
+    cpu_ops.FASTER[kernel] = frozenset()
+    try:
+        return fn()
+    finally:
+        cpu_ops.FASTER[kernel] = saved
+
+
 def cases(repeat: int):
     """(name, kernel's call given its ops, torch's call)."""
     x = torch.randn(2048, HIDDEN, dtype=DTYPE)
@@ -84,16 +120,29 @@ def cases(repeat: int):
             ops.decode(q, *views, meta.block_tables, meta.seq_lens, out, HEAD_DIM**-0.5, 0, 0.0)
 
         def torch_path(q=q, cache=cache, meta=meta, out=out):
-            saved = cpu_ops.FASTER["decode"]
-            cpu_ops.FASTER["decode"] = frozenset()
-            try:
-                torch_attn._decode(q, cache, meta, HEAD_DIM**-0.5, out, None, None)
-            finally:
-                cpu_ops.FASTER["decode"] = saved
+            without("decode", lambda: torch_attn._decode(q, cache, meta, HEAD_DIM**-0.5, out,
+                                                         None, None))
 
         label = f"decode, {rows} rows x {length} tokens" + (
             f", {shared} shared blocks" if shared else "")
         yield label, kernel, torch_path
+    # W3's prefill steps: 2,048 tokens of new prompts and of prompts cut at the last step.
+    for chunks in ([(0, 1024), (0, 1024)], [(0, 700), (512, 400), (0, 948)], [(0, 256)] * 8):
+        q, k, v, cache, meta = prefill_batch(chunks)
+        out = torch.empty_like(q)
+        views = kv_layout.head_views(cache)
+
+        def pkernel(ops, q=q, views=views, meta=meta, out=out):
+            ops.prefill(q, *views, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0,
+                        out, HEAD_DIM**-0.5, 0, 0.0)
+
+        def ptorch(q=q, k=k, v=v, cache=cache, meta=meta, out=out):
+            without("prefill", lambda: torch_attn._prefill(q, k, v, cache, meta,
+                                                           HEAD_DIM**-0.5, out, None, None))
+
+        flops = sum(4 * n * (c + (n + 1) / 2) * HEAD_DIM * HEADS for c, n in chunks)
+        label = "prefill, (cached, new) " + " ".join(f"{c}+{n}" for c, n in chunks)
+        yield label, pkernel, ptorch, flops
 
 
 def main() -> None:
@@ -107,9 +156,9 @@ def main() -> None:
     print(machine_line(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTER), DTYPE))
     print(f"threads {args.threads}; ISAs {' '.join(cpu_ops.supported())}; serving "
           f"{cpu_ops.isa}")
-    print("| kernel | ISA | kernel (ms) | torch (ms) | torch / kernel | serves |")
-    print("|---|---|---|---|---|---|")
-    for name, kernel, torch_fn in cases(args.repeat):
+    print("| kernel | ISA | kernel (ms) | torch (ms) | torch / kernel | serves | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, kernel, torch_fn, *flops in cases(args.repeat):
         ours = best(torch_fn, args.repeat)
         for isa in cpu_ops.supported():
             ops = cpu_ops.ops(isa)
@@ -119,7 +168,9 @@ def main() -> None:
             t = best(lambda ops=ops, kernel=kernel: kernel(ops), args.repeat)
             key = name.split(",")[0].split(" ")[0]
             serves = "yes" if isa in cpu_ops.FASTER.get(key, ()) else "no"
-            print(f"| {name} | {isa} | {t:.3f} | {ours:.3f} | {ours / t:.2f} | {serves} |")
+            rate = f"{flops[0] / t / 1e6:.0f} (torch {flops[0] / ours / 1e6:.0f})" if flops else ""
+            print(f"| {name} | {isa} | {t:.3f} | {ours:.3f} | {ours / t:.2f} | {serves} | "
+                  f"{rate} |")
 
 
 if __name__ == "__main__":
