@@ -52,7 +52,7 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 FASTER: dict[str, frozenset[str]] = {
     "rms_norm": frozenset({"avx512_bf16", "avx512", "avx2"}),
     "silu_and_mul": frozenset({"avx512_bf16", "avx512"}),
-    "decode": frozenset({"avx512_bf16", "avx512", "avx2", "portable"}),
+    "decode": frozenset({"avx512_bf16", "avx512", "avx2"}),
     # bf16 pair products only: the fp32 tiles of other ISAs were at best even with SDPA.
     "prefill": frozenset({"avx512_bf16"}),
 }

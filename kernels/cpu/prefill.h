@@ -38,7 +38,7 @@ struct PrefillSeq {
   int64_t first;              // first key any new token sees (with a window; else 0)
   int64_t lo;                 // `first` rounded down to a tile: keys before it read as 0
   int64_t ws;                 // offset of this chunk's workspace (per KV head: ws + h * per)
-  int64_t per;                // floats of workspace per KV head
+  int64_t per;                // workspace elements per KV head
 };
 
 }  // namespace baton
@@ -207,31 +207,31 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
   for (int64_t s = 0; s < int64_t(seqs.size()); ++s)
     for (int64_t t0 = 0; t0 < seqs[s].q_len; t0 += TOKENS_PER_ITEM)
       for (int64_t h = 0; h < KV; ++h) items.push_back({s, h, t0});
-  // Later tokens see more keys: start with them so the threads finish together.
+  // Later tokens see more keys: handed out first, so the threads finish together.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return seqs[a.seq].len - seqs[a.seq].q_len + a.t0 > seqs[b.seq].len - seqs[b.seq].q_len + b.t0;
   });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t w = b; w < e; ++w) {
-      const Item& it = items[w];
-      const PrefillSeq& s = seqs[it.seq];
-      const int64_t tokens = std::min(TOKENS_PER_ITEM, s.q_len - it.t0);
-      const int64_t rows = tokens * group, row_base = it.t0 * group;
-      const E* base = ws.data() + s.ws + it.h * s.per;
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int64_t n = std::min<int64_t>(R, rows - r0);
-        if constexpr (pairs)
-          prefill_rows_bf16<C, R>(s, it.h, group, row_base + r0, n, qp, qs0, qs1, op, os0, os1,
-                                  base, scale, window, softcap);
-        else
-          prefill_rows<C, R, T>(s, it.h, group, row_base + r0, n, qp, qs0, qs1, op, os0, os1,
+  const int64_t num_items = int64_t(items.size());
+#pragma omp parallel for num_threads(item_threads(num_items)) schedule(dynamic, 1)
+  for (int64_t w = 0; w < num_items; ++w) {
+    const Item& it = items[w];
+    const PrefillSeq& s = seqs[it.seq];
+    const int64_t tokens = std::min(TOKENS_PER_ITEM, s.q_len - it.t0);
+    const int64_t rows = tokens * group, row_base = it.t0 * group;
+    const E* base = ws.data() + s.ws + it.h * s.per;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      const int64_t n = std::min<int64_t>(R, rows - r0);
+      if constexpr (pairs)
+        prefill_rows_bf16<C, R>(s, it.h, group, row_base + r0, n, qp, qs0, qs1, op, os0, os1,
                                 base, scale, window, softcap);
-      }
+      else
+        prefill_rows<C, R, T>(s, it.h, group, row_base + r0, n, qp, qs0, qs1, op, os0, os1,
+                              base, scale, window, softcap);
     }
-  });
+  }
 }
 
 }  // namespace baton

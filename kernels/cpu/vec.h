@@ -6,9 +6,11 @@
 // bf16 is the top half of an fp32: widening is a 16-bit shift; narrowing rounds to
 // nearest-even (torch's rounding) and keeps NaN a quiet NaN.
 #pragma once
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 namespace baton {
@@ -105,6 +107,15 @@ inline float max(vf v) {
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// Threads for items of uneven cost, handed out one at a time (OpenMP's dynamic schedule)
+// by `#pragma omp for` inside `#pragma omp parallel num_threads(item_threads(n))`: torch's
+// intra-op thread count, or 1 inside one of its parallel regions. at::parallel_for splits
+// a range into static halves, and rows of sorted lengths would then end on one thread.
+inline int item_threads(int64_t n) {
+  if (at::in_parallel_region()) return 1;
+  return int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
+}
 
 // e^x, within 2 ulp of expf over [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two
 // parts, so r is exact), e^r by its degree-6 Taylor polynomial, 2^n put into the
