@@ -6,6 +6,7 @@ time from the CPU's flags.
     silu_and_mul  SiLU of the gate times the up projection
     decode        decode attention read in place through the block tables (attention.h)
     prefill       every prefill chunk of a step in one call, flash-style (prefill.h)
+    rope_and_cache  RoPE on q and k, then k and v into the paged cache (rope_cache.h)
 
 A build for one ISA is compiled with that ISA's flags only: never -march=native (a cached
 build must load on any CPU with the same flags), never -ffast-math (softmax keeps its
@@ -55,6 +56,7 @@ FASTER: dict[str, frozenset[str]] = {
     "decode": frozenset({"avx512_bf16", "avx512", "avx2"}),
     # bf16 pair products only: the fp32 tiles of other ISAs were at best even with SDPA.
     "prefill": frozenset({"avx512_bf16"}),
+    "rope_and_cache": frozenset({"avx512_bf16", "avx512", "avx2", "portable"}),
 }
 # The prefill kernel's head sizes (a multiple of every ISA's vector width, 16 floats), and
 # the dtypes it serves: bf16, measured; fp32 and fp16 run it in tests (every_kernel).

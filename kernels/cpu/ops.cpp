@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "prefill.h"
+#include "rope_cache.h"
 #include "vec.h"
 
 namespace baton {
@@ -152,6 +153,21 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   });
 }
 
+// RoPE on q and k, and k, v into the cache (rope_cache.h).
+void rope_and_cache(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                    const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                    const at::Tensor& slots, int64_t kv_heads) {
+  TORCH_CHECK(qk.stride(2) == 1 && v.stride(2) == 1 && cos.stride(1) == 1 &&
+              sin.strides() == cos.strides() && kc.stride(3) == 1 &&
+              kc.strides() == vc.strides() && slots.dtype() == at::kLong &&
+              qk.size(2) % 2 == 0 && cos.size(1) * 2 == qk.size(2) &&
+              cos.scalar_type() == qk.scalar_type() && v.scalar_type() == qk.scalar_type());
+  by_dtype(qk.scalar_type(), "rope_and_cache", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rope_rows<scalar_t>(qk, v, cos, sin, kc, vc, slots, kv_heads);
+  });
+}
+
 }  // namespace baton
 
 // TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
@@ -164,6 +180,8 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor(a!) out, "
         "float scale, int window, float softcap) -> ()");
+  m.def("rope_and_cache(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor(b!) kc, "
+        "Tensor(c!) vc, Tensor slots, int kv_heads) -> ()");
   m.def("prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor starts, "
         "int first_seq, Tensor(a!) out, float scale, int window, float softcap) -> ()");
 }
@@ -173,4 +191,5 @@ BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
   m.impl("silu_and_mul", &baton::silu_and_mul);
   m.impl("decode", &baton::decode);
   m.impl("prefill", &baton::prefill);
+  m.impl("rope_and_cache", &baton::rope_and_cache);
 }

@@ -1,7 +1,8 @@
 """Baton's C++ CPU kernels (kernels/cpu_ops.py), built by a compiler (so here, not in
 unit), through every ISA this CPU runs, whether or not the kernel serves there by default:
 the attention tests of tests/unit/test_kernels.py again with decode rows through the
-kernel, and the fused norm and SiLU against the torch ops they replace."""
+kernel, and the fused norm, SiLU and RoPE + cache write against the torch ops they
+replace."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_ops, torch_attn
-from baton.services.engine.models.layers import RMSNorm
+from baton.kernels import cpu_ops, kv_layout, torch_attn
+from baton.services.engine.models.layers import RMSNorm, apply_rope
 from tests.unit.test_kernels import (  # noqa: F401 (collected here with this decode_path)
     test_attention_bf16_close_to_fp32_reference,
     test_attention_matches_reference,
@@ -93,3 +94,33 @@ def test_silu_and_mul_matches_torch(decode_path, dtype, width):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:
         _at_most_one_ulp_apart(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the default model's, and one with a tail
+def test_rope_and_cache_matches_the_torch_path(decode_path, dtype, head_dim):
+    """q and k rotated as apply_rope rotates them, and the cache holding exactly what the
+    torch write puts there (every other slot untouched)."""
+    heads, kv_heads, tokens, bs = 6, 2, 21, 8
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    angles = torch.randn(tokens, 1, head_dim // 2, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(8 * bs, generator=g)[:tokens]
+    want_cache = torch.randn(kv_layout.shape(8, kv_heads, bs, head_dim), generator=g).to(dtype)
+    got_cache = want_cache.clone()
+    want_qk = apply_rope(qk, cos, sin)
+    torch_attn.reshape_and_cache(want_qk[:, heads:], v, want_cache, slots)
+    got_qk = qk.clone()  # a strided view in the model: here a copy, rotated in place
+    cpu_ops.ops().rope_and_cache(got_qk, v, cos[:, 0], sin[:, 0],
+                                 *kv_layout.head_views(got_cache), slots, kv_heads)
+    _at_most_one_ulp_apart(got_qk, want_qk, dtype)
+    _at_most_one_ulp_apart(got_cache, want_cache, dtype)
+    kept = torch.ones(8 * bs, dtype=torch.bool)
+    kept[slots] = False
+    untouched = want_cache.view(8, 2, kv_heads, bs, head_dim).permute(0, 3, 1, 2, 4)
+    untouched = untouched.reshape(8 * bs, -1)[kept]
+    assert torch.equal(got_cache.view(8, 2, kv_heads, bs, head_dim).permute(0, 3, 1, 2, 4)
+                       .reshape(8 * bs, -1)[kept], untouched)

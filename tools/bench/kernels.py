@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from baton.kernels import cpu_ops, kv_layout, torch_attn
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
-from baton.services.engine.models.layers import RMSNorm
+from baton.services.engine.models.layers import RMSNorm, apply_rope
 
 # The default model's shapes (SmolLM2-135M): hidden, MLP width, heads, KV heads, head dim.
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 576, 1536, 9, 3, 64, 16
@@ -108,6 +108,23 @@ def cases(repeat: int):
     yield ("rms_norm + add, 2048 x 576",
            lambda ops: cpu_ops.rms_norm(x, norm.weight, 1e-5, 0.0, res, ops),
            lambda: norm._torch(x + res))
+    for tokens in (64, 2048):  # a decode step's, a prefill step's
+        qk = torch.randn(tokens, HEADS + KV_HEADS, HEAD_DIM, dtype=DTYPE)
+        v = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+        cs = torch.randn(tokens, 1, HEAD_DIM // 2, dtype=DTYPE)
+        blocks = tokens // BLOCK * 4
+        cache = torch.zeros(kv_layout.shape(blocks, KV_HEADS, BLOCK, HEAD_DIM), dtype=DTYPE)
+        slots = torch.randperm(blocks * BLOCK)[:tokens]
+
+        def fused(ops, qk=qk, v=v, cs=cs, cache=cache, slots=slots):
+            ops.rope_and_cache(qk, v, cs[:, 0], cs[:, 0], *kv_layout.head_views(cache), slots,
+                               KV_HEADS)
+
+        def unfused(qk=qk, v=v, cs=cs, cache=cache, slots=slots):
+            k = apply_rope(qk, cs, cs)[:, HEADS:]
+            torch_attn.reshape_and_cache(k, v, cache, slots)
+
+        yield f"rope_and_cache, {tokens} tokens", fused, unfused
     yield ("silu_and_mul, 2048 x 1536",
            lambda ops: cpu_ops.silu_and_mul(gate_up, ops),
            lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])

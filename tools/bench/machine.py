@@ -4,6 +4,8 @@ and a workload cut short for quick checks."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .workloads import Workload
@@ -34,6 +36,21 @@ def machine_line(mc, dtype: torch.dtype) -> str:
     return (f"cpu: {name}; flags {' '.join(has)}; {dt} matmul roofline "
             f"{roofline(mc, dtype, 64):.0f} GFLOP/s at M=64, "
             f"{roofline(mc, dtype, 2048):.0f} at M=2048")
+
+
+def read_seconds(nbytes: int, repeat: int = 10) -> float:
+    """The best time, on this machine now, to read a buffer of `nbytes` once: a sum over
+    it as fp32, on torch's threads (read-bound, not compute-bound, at any CPU's FMA rate).
+    The buffer is read once before timing: what a cache holds of it, it holds then too,
+    as it would hold a model's weights from one decode step to the next."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def trim(wl: Workload, requests: int | None) -> Workload:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kernels import cpu_ops
+from baton.kernels import cpu_ops, kv_layout, torch_attn
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig, Rope
@@ -185,10 +185,19 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k heads side by side: one RoPE pass for both.
-        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        ops = cpu_ops.serves("rope_and_cache", x.device) if backend is torch_attn else None
+        if ops is not None:
+            # One pass per token: q and k rotated in place, k and v into the cache.
+            cos, sin = rope
+            ops.rope_and_cache(qk, v, cos.squeeze(1), sin.squeeze(1),
+                               *kv_layout.head_views(kv_cache), meta.slot_mapping,
+                               self.num_kv_heads)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            # q and k heads side by side: one RoPE pass for both.
+            q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         o = backend.paged_attention(q, k, v, kv_cache, meta, self.scale, **self.features)
         o = o.reshape(t, self.q_size)
         out = linear(o, self.o_weight, self.packed.get("o"), self.o_bias)
