@@ -1,6 +1,7 @@
 """Where a step's time goes: one prefill step (W3's prompts, chunked) and one decode step
-(W1's batch of 64), split into matmuls, attention, KV writes, norms, RoPE, the LM head,
-sampling, and the rest (Python, the scheduler, residual adds, the MLP's activation,
+(W1's batch of 64), split into matmuls, attention, KV writes (with RoPE, where the CPU
+kernel does both in one pass), norms (with the residual add where fused), RoPE, the LM
+head, sampling, and the rest (Python, the scheduler, residual adds, the MLP's activation,
 copies), with the share of the bf16 matmul roofline each phase reaches.
 
     python -m baton.tools.bench.profile_step [--steps 3] [--dtype bfloat16]
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from baton.kernels import cpu_ops
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.llm import LLM
 from baton.services.engine.models import layers
@@ -90,6 +92,8 @@ def measure(llm: LLM, steps: int) -> tuple[Timer, float]:
           patched(backend, "paged_attention", timer.wrap("attention", backend.paged_attention)),
           patched(backend, "reshape_and_cache",
                   timer.wrap("kv write", backend.reshape_and_cache)),
+          # The CPU kernel that does both: counted as the write (rope then reads 0).
+          patched(cpu_ops, "rope_and_cache", timer.wrap("kv write", cpu_ops.rope_and_cache)),
           patched(model, "compute_logits", timer.wrap("lm head", model.compute_logits)),
           patched(model, "embed", timer.wrap("embedding", model.embed)),
           patched(runner.sampler, "sample", timer.wrap("sampling", runner.sampler.sample))):

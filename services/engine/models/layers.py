@@ -190,9 +190,9 @@ class Attention(nn.Module):
         if ops is not None:
             # One pass per token: q and k rotated in place, k and v into the cache.
             cos, sin = rope
-            ops.rope_and_cache(qk, v, cos.squeeze(1), sin.squeeze(1),
-                               *kv_layout.head_views(kv_cache), meta.slot_mapping,
-                               self.num_kv_heads)
+            cpu_ops.rope_and_cache(qk, v, cos.squeeze(1), sin.squeeze(1),
+                                   kv_layout.head_views(kv_cache), meta.slot_mapping,
+                                   self.num_kv_heads, ops)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             # q and k heads side by side: one RoPE pass for both.
