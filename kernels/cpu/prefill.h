@@ -41,6 +41,59 @@ struct PrefillSeq {
   int64_t per;                // workspace elements per KV head
 };
 
+// The keys R rows at positions qpos[] see: tiles from `first` (tile-aligned, from the
+// chunk's `lo`) to the one holding pmax. A tile is an edge where some key of it may be
+// hidden from some row (causal, past the end, outside the window): only those are masked.
+struct RowSpan {
+  int64_t pmin, pmax, first;
+  bool edge(int64_t k0, int64_t len, int64_t window) const {
+    return k0 + W - 1 > pmin || len - k0 < W || (window > 0 && k0 <= pmax - window);
+  }
+};
+
+template <int R>
+RowSpan row_span(const int64_t (&qpos)[R], const PrefillSeq& sq, int64_t window) {
+  RowSpan s{qpos[0], qpos[0], sq.lo};
+  for (int r = 1; r < R; ++r)
+    s.pmin = std::min(s.pmin, qpos[r]), s.pmax = std::max(s.pmax, qpos[r]);
+  if (window > 0) s.first = std::max(s.first, (s.pmin - window + 1) / W * W);
+  s.first = sq.lo + (s.first - sq.lo) / W * W;
+  return s;
+}
+
+inline vf lanes() {  // 0, 1, ..., W - 1
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = float(i);
+  return v;
+}
+
+// One row's online-softmax step over one tile of W keys at positions `pos` (scores s,
+// scaled): masked where `edge` says some key may be hidden from the row (causal, past the
+// end, outside the window), soft-capped; m and l updated. Returns P (0 where masked) in p
+// and the factor the row's O must be scaled by (e^(m - m'); 0 before any key), or -1 where
+// the row sees none of the tile nor anything before it (p all 0; leave O alone).
+inline float softmax_step(vf s, vf pos, int64_t qpos, int64_t len, bool edge, int64_t window,
+                          float softcap, float& m, vf& l, vf& p) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (softcap > 0) s = softcap * tanh(s / softcap);
+  vi keep = pos == pos;  // all lanes
+  if (edge) {
+    keep = (pos <= float(qpos)) & (pos < float(len));
+    if (window > 0) keep = keep & (pos > float(qpos - window));
+  }
+  s = keep ? s : splat(ninf);
+  const float mx = std::max(m, max(s));
+  if (mx == ninf) {
+    p = vf{};
+    return -1.f;
+  }
+  p = keep ? exp(s - mx) : vf{};
+  const float c = m == ninf ? 0.f : std::exp(m - mx);
+  l = l * c + p;
+  m = mx;
+  return c;
+}
+
 }  // namespace baton
 
 #include "prefill_bf16.h"
@@ -72,14 +125,9 @@ void prefill_rows(const PrefillSeq& sq, int64_t h, int64_t group, int64_t row0, 
     m[r] = ninf;
     l[r] = vf{};
   }
-  int64_t pmin = qpos[0], pmax = qpos[0];
-  for (int r = 1; r < R; ++r) pmin = std::min(pmin, qpos[r]), pmax = std::max(pmax, qpos[r]);
-  int64_t first = sq.lo;
-  if (window > 0) first = std::max(first, (pmin - window + 1) / W * W);
-  first = sq.lo + (first - sq.lo) / W * W;
-  vf lane;
-  for (int i = 0; i < W; ++i) lane[i] = float(i);
-  for (int64_t k0 = first; k0 <= pmax; k0 += W) {
+  const RowSpan span = row_span<R>(qpos, sq, window);
+  const vf lane = lanes();
+  for (int64_t k0 = span.first; k0 <= span.pmax; k0 += W) {
     const float* kt = Kt + (k0 - sq.lo) / W * d * W;
     vf S[R];
     for (int r = 0; r < R; ++r) S[r] = vf{};
@@ -87,33 +135,17 @@ void prefill_rows(const PrefillSeq& sq, int64_t h, int64_t group, int64_t row0, 
       const vf kx = load(kt + x * W);
       for (int r = 0; r < R; ++r) S[r] += qs[r][x] * kx;
     }
-    // Masked unless every row sees every key of the tile.
-    const bool edge = k0 + W - 1 > pmin || sq.len - k0 < W ||
-                      (window > 0 && k0 <= pmax - window);
+    const bool edge = span.edge(k0, sq.len, window);
     const vf pos = lane + float(k0);
     for (int r = 0; r < R; ++r) {
-      vf s = S[r];
-      if (softcap > 0) s = softcap * tanh(s / softcap);
-      vi keep = pos == pos;  // all lanes
-      if (edge) {
-        keep = (pos <= float(qpos[r])) & (pos < float(sq.len));
-        if (window > 0) keep = keep & (pos > float(qpos[r] - window));
-      }
-      s = keep ? s : splat(ninf);
-      const float mx = std::max(m[r], max(s));
-      if (mx == ninf) {  // this row sees none of the tile, nor anything before
-        for (int i = 0; i < W; ++i) ps[r][i] = 0.f;
-        continue;
-      }
-      const vf p = keep ? exp(s - mx) : vf{};
-      const float c = m[r] == ninf ? 0.f : std::exp(m[r] - mx);
-      l[r] = l[r] * c + p;
-      m[r] = mx;
-      if (c != 1.f)
+      vf p;
+      const float c = softmax_step(S[r], pos, qpos[r], sq.len, edge, window, softcap, m[r],
+                                   l[r], p);
+      if (c >= 0 && c != 1.f)
         for (int cc = 0; cc < C; ++cc) O[r][cc] *= c;
       store(ps[r], p);
     }
-    const int64_t n_end = std::min<int64_t>(W, std::min(sq.len, pmax + 1) - k0);
+    const int64_t n_end = std::min<int64_t>(W, std::min(sq.len, span.pmax + 1) - k0);
     for (int64_t n = 0; n < n_end; ++n) {
       const float* v = Vf + (k0 - sq.lo + n) * d;
       vf vv[C];

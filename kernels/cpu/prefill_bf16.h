@@ -67,14 +67,9 @@ void prefill_rows_bf16(const PrefillSeq& sq, int64_t h, int64_t group, int64_t r
     m[r] = ninf;
     l[r] = vf{};
   }
-  int64_t pmin = qpos[0], pmax = qpos[0];
-  for (int r = 1; r < R; ++r) pmin = std::min(pmin, qpos[r]), pmax = std::max(pmax, qpos[r]);
-  int64_t first = sq.lo;
-  if (window > 0) first = std::max(first, (pmin - window + 1) / W * W);
-  first = sq.lo + (first - sq.lo) / W * W;
-  vf lane;
-  for (int i = 0; i < W; ++i) lane[i] = float(i);
-  for (int64_t k0 = first; k0 <= pmax; k0 += W) {
+  const RowSpan span = row_span<R>(qpos, sq, window);
+  const vf lane = lanes();
+  for (int64_t k0 = span.first; k0 <= span.pmax; k0 += W) {
     const uint16_t* kt = Kp + (k0 - sq.lo) / W * d * W;
     __m512 S[R];
     for (int r = 0; r < R; ++r) S[r] = _mm512_setzero_ps();
@@ -83,33 +78,18 @@ void prefill_rows_bf16(const PrefillSeq& sq, int64_t h, int64_t group, int64_t r
       for (int r = 0; r < R; ++r)
         S[r] = _mm512_dpbf16_ps(S[r], (__m512bh)_mm512_set1_epi32(int(qq[r][xp])), kv);
     }
-    const bool edge = k0 + W - 1 > pmin || sq.len - k0 < W ||
-                      (window > 0 && k0 <= pmax - window);
+    const bool edge = span.edge(k0, sq.len, window);
     const vf pos = lane + float(k0);
     for (int r = 0; r < R; ++r) {
-      vf s = (vf)S[r] * scale;
-      if (softcap > 0) s = softcap * tanh(s / softcap);
-      vi keep = pos == pos;  // all lanes
-      if (edge) {
-        keep = (pos <= float(qpos[r])) & (pos < float(sq.len));
-        if (window > 0) keep = keep & (pos > float(qpos[r] - window));
-      }
-      s = keep ? s : splat(ninf);
-      const float mx = std::max(m[r], max(s));
-      if (mx == ninf) {  // this row sees none of the tile, nor anything before
-        std::memset(pb[r], 0, sizeof pb[r]);
-        continue;
-      }
-      const vf p = keep ? exp(s - mx) : vf{};
-      const float c = m[r] == ninf ? 0.f : std::exp(m[r] - mx);
-      l[r] = l[r] * c + p;
-      m[r] = mx;
-      if (c != 1.f)
+      vf p;
+      const float c = softmax_step((vf)S[r] * scale, pos, qpos[r], sq.len, edge, window,
+                                   softcap, m[r], l[r], p);
+      if (c >= 0 && c != 1.f)
         for (int cc = 0; cc < C; ++cc) O[r][cc] = _mm512_mul_ps(O[r][cc], _mm512_set1_ps(c));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]),
                          (__m256i)_mm512_cvtneps_pbh((__m512)p));
     }
-    const int64_t n_end = std::min<int64_t>(W, std::min(sq.len, pmax + 1) - k0);
+    const int64_t n_end = std::min<int64_t>(W, std::min(sq.len, span.pmax + 1) - k0);
     const uint16_t* vt = Vp + (k0 - sq.lo) / 2 * 2 * d;
     for (int64_t jp = 0; jp < (n_end + 1) / 2; ++jp) {
       __m512bh pr[R];  // (P[r][2jp], P[r][2jp + 1]) in every lane
