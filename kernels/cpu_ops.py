@@ -11,9 +11,10 @@ time from the CPU's flags.
 A build for one ISA is compiled with that ISA's flags only: never -march=native (a cached
 build must load on any CPU with the same flags), never -ffast-math (softmax keeps its
 NaN and infinity rules). Each build registers its ops under torch.ops.baton_cpu_<isa>.
-Builds use torch's C++ extension builder, cached under TORCH_EXTENSIONS_DIR; `make install`
-builds the native one. Where a build fails (no compiler), `ops()` returns None, says why
-once, and torch's ops serve.
+Builds use torch's C++ extension builder, cached under TORCH_EXTENSIONS_DIR in a folder
+named by the sources and flags (build_directory); `make install` builds the native one,
+and a build made once is loaded without a compiler. Where a build fails (no compiler),
+`ops()` returns None, says why once, and torch's ops serve.
 
 A kernel serves only on the ISAs where it measured faster than the torch ops it replaces
 (FASTER, from `python -m baton.tools.bench.kernels`). BATON_CPU_ISA=<name> picks another
@@ -26,6 +27,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,12 +120,24 @@ def using(name: str, every_kernel: bool = False) -> Iterator[None]:
         FASTER, PREFILL_DTYPES = old[1], old[2]
 
 
-def _source_hash() -> str:
-    """Of every file in kernels/cpu/: a changed header rebuilds as a changed source does."""
+def _flags(name: str) -> list[str]:
+    return ["-O3", "-fopenmp", "-fno-math-errno", f"-DBATON_CPU_NS=baton_cpu_{name}",
+            *ISAS[name][1]]
+
+
+def build_directory(name: str) -> Path:
+    """Where `name`'s build lives: named by a hash of every file in kernels/cpu/, the flags,
+    torch's and Python's versions. So a changed header rebuilds as a changed source does,
+    and a build made once (by `make install`, in the image, by another checkout of the same
+    sources) is loaded as it is: no compiler, no ninja, no rebuild for another path."""
     h = hashlib.sha256()
     for path in sorted(SOURCE.parent.iterdir()):
         h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()[:12]
+    h.update(repr((_flags(name), torch.__version__, sys.version_info[:2])).encode())
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"baton_cpu_{name}-{h.hexdigest()[:16]}"
 
 
 def ops(name: str | None = None) -> Any:
@@ -140,12 +154,19 @@ def ops(name: str | None = None) -> Any:
         from torch.utils.cpp_extension import load as build
 
         namespace = f"baton_cpu_{name}"
-        # Not a Python module: the library registers its ops with torch's dispatcher.
-        build(name=namespace, sources=[str(SOURCE)], is_python_module=False, verbose=False,
-              extra_include_paths=[str(SOURCE.parent)],
-              extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", f"-DBATON_CPU_NS={namespace}",
-                            f"-DBATON_SOURCE={_source_hash()}", *ISAS[name][1]],
-              extra_ldflags=["-fopenmp"])
+        directory = build_directory(name)
+        done = directory / "built"  # written once the library is whole
+        if done.exists():
+            torch.ops.load_library(str(directory / f"{namespace}.so"))
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            # Not a Python module: the library registers its ops with torch's dispatcher.
+            # torch's builder locks the directory: processes building at once wait.
+            build(name=namespace, sources=[str(SOURCE)], is_python_module=False,
+                  verbose=False, build_directory=str(directory),
+                  extra_include_paths=[str(SOURCE.parent)], extra_cflags=_flags(name),
+                  extra_ldflags=["-fopenmp"])
+            done.write_text(namespace + "\n")
         _built[name] = getattr(torch.ops, namespace)
     except Exception as e:  # no compiler, no headers: torch's ops serve
         _failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -196,8 +217,6 @@ def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 if __name__ == "__main__":  # `make install` builds the native ISA's; the image, --all
-    import sys
-
     # --all: every ISA this CPU runs (a build is loaded to register its ops, and a build
     # for an ISA the CPU lacks may not load).
     for name in supported() if "--all" in sys.argv[1:] else [isa]:
