@@ -89,9 +89,9 @@ def test_the_cpu_kernels_serve_only_if_built_already():
 
 
 def test_the_kernels_are_not_left_off_after_a_unit_test():
-    """Run after the test above: the rule's "off" was not remembered as a failed build, so
-    an integration test later in this process builds the kernels as ever."""
+    """Run after the test above (which asked for them with the rule's "off" on): that
+    was not remembered as a failed build, so an integration test later in this process
+    builds the kernels as ever. Holds whether or not one built them earlier."""
     from baton.kernels import cpu_ops
 
-    assert cpu_ops.ops() is None  # off, inside a unit test
-    assert "BATON_CPU_KERNELS=0" not in cpu_ops._failed.values()  # nothing kept of it
+    assert "BATON_CPU_KERNELS=0" not in cpu_ops._failed.values()
