@@ -259,7 +259,13 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
     try:
         for t in threads:
             t.start()
-        _wait_for(lambda: stats(p).num_leases > 0, 30, "the prefill worker holds no lease")
+        # Every request in the prefill worker (one that arrives after the drain starts is
+        # refused, by design, and there is no other prefill worker) and one held already.
+        def all_in_and_one_held() -> bool:
+            s = stats(p)
+            return s.num_leases > 0 and s.num_waiting + s.num_running + s.num_leases >= 6
+
+        _wait_for(all_in_and_one_held, 30, "the prefill worker holds no lease, or not all six")
         proc = topo.kill(p, signal.SIGTERM)
         STOPPED.add(p)
         _wait_for(lambda: _health(p) != health_pb2.HealthCheckResponse.SERVING, 60,
