@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -217,7 +218,8 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     total += s.per * KV;
     seqs.push_back(s);
   }
-  std::vector<E> ws(total);
+  // Not zeroed here: fill_floats / fill_pairs zero every element a tile may read.
+  std::unique_ptr<E[]> ws(new E[total]);
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
@@ -226,7 +228,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     for (int64_t w = b; w < e; ++w) {
       const PrefillSeq& s = seqs[w / KV];
       const int64_t h = w % KV, i = first_seq + w / KV;
-      E* dst = ws.data() + s.ws + h * s.per;
+      E* dst = ws.get() + s.ws + h * s.per;
       if constexpr (pairs)
         fill_pairs(dst, d, s.lo, s.first, s.len, kp, vp, bt + i * bts, bs, h * ks0, ks1, ks2);
       else
@@ -253,7 +255,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     const PrefillSeq& s = seqs[it.seq];
     const int64_t tokens = std::min(TOKENS_PER_ITEM, s.q_len - it.t0);
     const int64_t rows = tokens * group, row_base = it.t0 * group;
-    const E* base = ws.data() + s.ws + it.h * s.per;
+    const E* base = ws.get() + s.ws + it.h * s.per;
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
       const int64_t n = std::min<int64_t>(R, rows - r0);
       if constexpr (pairs)

@@ -56,7 +56,6 @@ def main() -> None:
         prompt = [rng.randint(100, mc.vocab_size - 1) for _ in range(args.prompt)]
         rid = engine.add_request(prompt, params)
         first = None
-        t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             outs = engine.step()
             if first is None and any(o.request_id == rid for o in outs):
@@ -64,7 +63,6 @@ def main() -> None:
         end = time.perf_counter()
         if first is not None:
             best = min(best, (end - first) / (args.tokens - 1))
-        del t0
     weights = weight_bytes(engine.runner.model)
     kv = (args.prompt + args.tokens // 2) * mc.num_layers * 2 * mc.num_kv_heads * \
         mc.head_dim * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
