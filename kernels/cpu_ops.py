@@ -7,6 +7,7 @@ time from the CPU's flags.
     decode        decode attention read in place through the block tables (attention.h)
     prefill       every prefill chunk of a step in one call, flash-style (prefill.h)
     rope_and_cache  RoPE on q and k, then k and v into the paged cache (rope_cache.h)
+    qmm           x @ W^T with W kept quantized: int8, GGUF q8_0 / q4_0 / q4_1 (qmm.h)
 
 A build for one ISA is compiled with that ISA's flags only: never -march=native (a cached
 build must load on any CPU with the same flags), never -ffast-math (softmax keeps its
@@ -59,6 +60,8 @@ FASTER: dict[str, frozenset[str]] = {
     # bf16 pair products only: the fp32 tiles of other ISAs were at best even with SDPA.
     "prefill": frozenset({"avx512_bf16"}),
     "rope_and_cache": frozenset({"avx512_bf16", "avx512", "avx2"}),  # portable: 1.06x
+    # Quantized weights (kernels/quant.py): against dequantizing for each call, always.
+    "qmm": frozenset(ISAS),
 }
 # The prefill kernel's head sizes (a multiple of every ISA's vector width, 16 floats), and
 # the dtypes it serves: bf16, measured; fp32 and fp16 run it in tests (every_kernel).

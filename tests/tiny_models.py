@@ -149,10 +149,11 @@ def gguf_ready_config(family: str, vocab_size: int):
     return cfg
 
 
-def write_gguf(model, arch: str, path: Path, tokenizer) -> None:
+def write_gguf(model, arch: str, path: Path, tokenizer, qtype: str | None = None) -> None:
     """An F32 GGUF of a tiny qwen2/qwen3/gemma2/gemma3 model as llama.cpp's converter
     lays it out: its tensor names and keys, q/k rows as HF has them (llama.cpp permutes
-    them for its "llama" layout only), Gemma's norms stored as 1 + w."""
+    them for its "llama" layout only), Gemma's norms stored as 1 + w. `qtype` ("Q4_0",
+    "Q4_1", "Q8_0"): every matrix quantized to it by gguf's own quantizer."""
     import gguf
     import numpy as np
 
@@ -202,7 +203,12 @@ def write_gguf(model, arch: str, path: Path, tokenizer) -> None:
                     "lm_head.weight": "output.weight"}[name]
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0
-        w.add_tensor(name, t.numpy().astype(np.float32))
+        a = t.numpy().astype(np.float32)
+        if qtype is not None and a.ndim == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "prefill.h"
+#include "qmm.h"
 #include "rope_cache.h"
 #include "vec.h"
 
@@ -168,6 +169,28 @@ void rope_and_cache(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
   });
 }
 
+// -- x @ W^T with W kept quantized (qmm.h; the formats: kernels/quant.py)
+void qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t fmt,
+         int64_t k, at::Tensor& out) {
+  TORCH_CHECK(fmt >= kInt8 && fmt <= kQ4_1, "qmm: unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "qmm: x must be [M, k]");
+  TORCH_CHECK(fmt == kInt8 || k % QBLOCK == 0, "qmm: k must be a multiple of 32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 &&
+              w.size(1) == qrow_bytes(int(fmt), k), "qmm: weight rows do not match k");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(fmt != kInt8 || (scales.scalar_type() == at::kFloat && scales.numel() == N &&
+              scales.is_contiguous()), "qmm: int8 needs one fp32 scale per row");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == N &&
+              out.scalar_type() == x.scalar_type(), "qmm: out must be [M, N] in x's dtype");
+  const float* sp = fmt == kInt8 ? scales.data_ptr<float>() : nullptr;
+  by_dtype(x.scalar_type(), "qmm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    qmm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0),
+                       static_cast<const uint8_t*>(w.data_ptr()), sp, int(fmt), k, N,
+                       out.data_ptr<scalar_t>());
+  });
+}
+
 }  // namespace baton
 
 // TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
@@ -184,6 +207,7 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
         "Tensor(c!) vc, Tensor slots, int kv_heads) -> ()");
   m.def("prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor starts, "
         "int first_seq, Tensor(a!) out, float scale, int window, float softcap) -> ()");
+  m.def("qmm(Tensor x, Tensor w, Tensor scales, int fmt, int k, Tensor(a!) out) -> ()");
 }
 
 BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
@@ -192,4 +216,5 @@ BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
   m.impl("decode", &baton::decode);
   m.impl("prefill", &baton::prefill);
   m.impl("rope_and_cache", &baton::rope_and_cache);
+  m.impl("qmm", &baton::qmm);
 }

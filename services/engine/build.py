@@ -56,7 +56,7 @@ def load(config: EngineConfig) -> Built:
                          f"max_position_embeddings {limit}")
     max_len = config.max_model_len or limit
     t1 = time.monotonic()
-    runner = ModelRunner(config, model_config, weights, max_len)
+    runner = ModelRunner(config, model_config, weights, max_len, checkpoint=path)
     log.info("loaded %s (%s, %s) in %.1fs", name, model_config.architecture,
              config.dtype, time.monotonic() - t1)
     num_blocks = runner.profile_num_blocks()
@@ -72,7 +72,10 @@ def load(config: EngineConfig) -> Built:
     runner.allocate_kv_cache(num_blocks)
     # Workers pair only over the same weights: a hub model's commit is in its name here.
     commit = model_source.model_commit(path)
-    kv_layout = KVLayout(model=name + (f"@{commit}" if commit else ""), dtype=config.dtype,
+    # KV computed with quantized weights differs from KV of the dense ones: not a pair.
+    quantized = f"+{config.quantization}" if config.quantization else ""
+    kv_layout = KVLayout(model=name + (f"@{commit}" if commit else "") + quantized,
+                         dtype=config.dtype,
                          block_size=config.block_size, num_layers=model_config.num_layers,
                          num_kv_heads=model_config.num_kv_heads,
                          head_dim=model_config.head_dim)

@@ -68,6 +68,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None  # None: the best for the platform (kernels/)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes
+    # Weights kept quantized: None, "int8" or "gguf" (services/engine/quantization.py).
+    quantization: str | None = None
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
     kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
     speculative: SpecConfig = SpecConfig()  # speculative decoding; off by default
@@ -107,6 +109,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        from .quantization import check as check_quantization
+
+        check_quantization(self.quantization)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_load_failure_policy not in ("recompute", "fail"):

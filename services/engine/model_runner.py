@@ -7,6 +7,7 @@ requests whose computed count reaches their token count this step produce logits
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from .cuda_graphs import CudaGraphRunner
 from .model_config import ModelConfig
 from .models import model_class
 from .outputs import SampledTokens
+from .quantization import apply as quantize_weights
 from .request import Request
 from .sampler import Sampler, SamplingRow, to_device
 from .scheduler import SchedulerOutput
@@ -40,7 +42,7 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights,
-                 max_model_len: int):
+                 max_model_len: int, checkpoint: Path | None = None):
         self.config = config
         self.mc = model_config
         self.device = config.torch_device
@@ -57,6 +59,10 @@ class ModelRunner:
         self.outside_at_start = _outside_torch(self.device) if cuda else 0
         self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
         self.model.load_weights(weights)
+        if config.quantization is not None:
+            if checkpoint is None:
+                raise ValueError("quantization needs the checkpoint's path")
+            quantize_weights(self.model, config.quantization, checkpoint)
         self.model.prepack_weights()
         self.model.eval()
         self.lora: LoraSlots | None = None

@@ -16,16 +16,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kernels import cpu_ops, kv_layout, torch_attn
+from baton.kernels import cpu_ops, kv_layout, quant, torch_attn
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig, Rope
 
+# What serves a linear besides its dense weight: oneDNN's packed copy, or the weight kept
+# quantized (services/engine/quantization.py), which then replaces the dense one.
+Packed = torch.Tensor | quant.QuantWeight | None
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), through oneDNN's prepacked copy of the weight when there is
-    one (CPU, bf16/fp16: the same result, without repacking the weight on every call)."""
+    one (CPU, bf16/fp16: the same result, without repacking the weight on every call), or
+    through the quantized weight."""
+    if isinstance(packed, quant.QuantWeight):
+        out = quant.matmul(x.contiguous(), packed)
+        return out if bias is None else out + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -171,7 +179,7 @@ class Attention(nn.Module):
         # kernels' default signature.
         self.features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                          if v is not None}
-        self.packed: dict[str, torch.Tensor | None] = {}
+        self.packed: dict[str, Packed] = {}
         self.lora: LoraHook | None = None  # set where adapters are on
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
@@ -215,7 +223,7 @@ class MLP(nn.Module):
         self.gate_up_bias = param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
         self.down_bias = param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
-        self.packed: dict[str, torch.Tensor | None] = {}
+        self.packed: dict[str, Packed] = {}
         self.lora: LoraHook | None = None  # LoRA's hook, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kernels import quant
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig
 from .layers import (
     DecoderLayer,
+    Packed,
     RMSNorm,
     RotaryEmbedding,
     linear,
@@ -41,6 +43,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         c = self.config = config
         self.backend = backend
+        self.dtype = dtype
         self.embed_tokens = param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         self.rope = RotaryEmbedding(c.rope, c.head_dim, max_positions, dtype, device)
         # Sliding layers use their own RoPE table where the config has one (Gemma 3).
@@ -53,9 +56,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, c.norm_offset)
         self.lm_head = (self.embed_tokens if c.tie_word_embeddings
                         else param(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: Packed = None
+        # The embedding kept quantized (services/engine/quantization.py): rows are
+        # dequantized as they are looked up, and embed_tokens is empty.
+        self.embed_quant: quant.QuantWeight | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quant is not None:
+            return quant.dequantize_rows(self.embed_quant, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -81,12 +89,16 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> None:
         """Keep oneDNN-packed copies of every linear weight, where that path applies.
-        Costs a second copy of those weights in memory; call after load_weights."""
+        Costs a second copy of those weights in memory; call after load_weights. A weight
+        kept quantized stays as it is."""
         for layer in self.decoder_layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.packed = {"qkv": prepack(attn.qkv_weight), "o": prepack(attn.o_weight)}
-            mlp.packed = {"gate_up": prepack(mlp.gate_up_weight), "down": prepack(mlp.down_weight)}
-        self.lm_head_packed = prepack(self.lm_head)
+            for module, names in ((layer.self_attn, ("qkv", "o")),
+                                  (layer.mlp, ("gate_up", "down"))):
+                for name in names:
+                    if not isinstance(module.packed.get(name), quant.QuantWeight):
+                        module.packed[name] = prepack(getattr(module, f"{name}_weight"))
+        if not isinstance(self.lm_head_packed, quant.QuantWeight):
+            self.lm_head_packed = prepack(self.lm_head)
 
     _TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
 

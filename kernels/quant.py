@@ -1,0 +1,128 @@
+"""Quantized linear weights, kept quantized in memory: what they hold, how they multiply.
+
+    format  bytes per row of K weights              a weight
+    int8    K int8, one fp32 scale per row (apart)   q * s
+    q8_0    K/32 blocks of [d fp16 | 32 x int8]      d * q
+    q4_0    K/32 blocks of [d fp16 | 16 bytes]       d * (q - 8)
+    q4_1    K/32 blocks of [d fp16 | m fp16 | 16 B]  d * q + m
+
+The GGUF formats are llama.cpp's blocks byte for byte, rows as the file holds them. In a
+4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high one.
+
+`matmul(x, w)` is x @ W^T for x [M, K] in the model dtype: the CPU kernel
+(kernels/cpu/qmm.h: fp32 arithmetic on the dequantized weights, the weights read once per
+step) where it is built; with int8 weights, bf16/fp16 activations and M >= ACT_QUANT_ROWS
+rows, oneDNN's int8 matmul (torch._int_mm) on activations quantized per token (W8A8:
+held to the perplexity bound only, not to token equality); elsewhere (no build, GPU) the
+weights dequantized for the call, then F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_ops
+
+BLOCK = 32  # weights per GGUF block
+# Bytes of one block, per GGUF format.
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2}
+FORMATS = ("int8", *BLOCK_BYTES)
+KERNEL_FORMAT = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}  # qmm.h's `fmt`
+# From this many rows on, int8 weights with bf16/fp16 activations take oneDNN's int8
+# matmul (W8A8); below it the weight-only kernel, which reads the weights once and is
+# bound by that (python -m baton.tools.bench.kernels --quant).
+ACT_QUANT_ROWS = 16
+
+
+@dataclass
+class QuantWeight:
+    """One linear's weight [n, k] in `fmt`: `data` holds the rows (int8 [n, k] for int8,
+    else uint8 [n, k / 32 * block bytes]); `scale` the int8 rows' fp32 scales."""
+
+    fmt: str
+    n: int
+    k: int
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        s = self.scale
+        return self.data.numel() * self.data.element_size() + (
+            0 if s is None else s.numel() * s.element_size())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self, None).to(dtype)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantWeight:
+    """Per-output-channel symmetric int8: s = max|row| / 127, q = round(w / s)."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantWeight("int8", w.shape[0], w.shape[1], q.contiguous(), scale.contiguous())
+
+
+def from_gguf(fmt: str, rows: torch.Tensor, k: int) -> QuantWeight:
+    """The raw rows of a GGUF tensor (uint8 [n, k / 32 * block bytes]) as they are."""
+    if k % BLOCK or rows.shape[1] != k // BLOCK * BLOCK_BYTES[fmt]:
+        raise ValueError(f"{fmt}: rows of {rows.shape[1]} bytes do not hold {k} weights")
+    return QuantWeight(fmt, rows.shape[0], k, rows.contiguous())
+
+
+def concat(parts: list[QuantWeight]) -> QuantWeight:
+    """Row blocks of one format stacked (q/k/v into qkv, gate/up into gate_up)."""
+    fmt, k = parts[0].fmt, parts[0].k
+    if any(p.fmt != fmt or p.k != k for p in parts):
+        raise ValueError("fused parts differ in format or width")
+    scale = None if fmt != "int8" else torch.cat([p.scale for p in parts])  # type: ignore
+    return QuantWeight(fmt, sum(p.n for p in parts), k,
+                       torch.cat([p.data for p in parts]).contiguous(), scale)
+
+
+def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [len(rows) or n, k]: the weights of `rows` (None: every row), exactly."""
+    data = w.data if rows is None else w.data.index_select(0, rows)
+    if w.fmt == "int8":
+        scale = w.scale if rows is None else w.scale.index_select(0, rows)  # type: ignore
+        return data.float() * scale[:, None]  # type: ignore[index]
+    b = data.view(data.shape[0], -1, BLOCK_BYTES[w.fmt])  # [rows, blocks, bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+    if w.fmt == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        out = d * q
+    else:
+        nib = b[..., -BLOCK // 2:]
+        q = torch.cat([nib & 15, nib >> 4], dim=-1).float()  # weight j, then j + 16
+        out = d * (q - 8) if w.fmt == "q4_0" else \
+            d * q + b[..., 2:4].contiguous().view(torch.float16).float()
+    return out.reshape(data.shape[0], w.k)
+
+
+def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype."""
+    rows = x.shape[0]
+    if (w.fmt == "int8" and rows >= ACT_QUANT_ROWS and x.dtype != torch.float32
+            and x.device.type == "cpu"):
+        return _w8a8(x, w)
+    ops = cpu_ops.serves("qmm", x.device)
+    if ops is not None and x.is_contiguous():
+        out = x.new_empty(rows, w.n)
+        empty = w.data.new_empty(0, dtype=torch.float32)
+        ops.qmm(x, w.data, empty if w.scale is None else w.scale, KERNEL_FORMAT[w.fmt],
+                w.k, out)
+        return out
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+def _w8a8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """Activations quantized per token (symmetric int8), oneDNN's int8 matmul, then both
+    scales: y[m, n] = (sum_k qx[m, k] qw[n, k]) * sx[m] * sw[n]."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    qx = torch.round(xf / sx).to(torch.int8)
+    acc = torch._int_mm(qx, w.data.t())  # the weight as [K, N]: a view, no copy
+    return (acc.float() * sx * w.scale).to(x.dtype)  # type: ignore[operator]
