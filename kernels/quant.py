@@ -13,8 +13,9 @@ The GGUF formats are llama.cpp's blocks byte for byte, rows as the file holds th
 (kernels/cpu/qmm.h: fp32 arithmetic on the dequantized weights, the weights read once per
 step) where it is built; with int8 weights, bf16/fp16 activations and M >= ACT_QUANT_ROWS
 rows, oneDNN's int8 matmul (torch._int_mm) on activations quantized per token (W8A8:
-held to the perplexity bound only, not to token equality); elsewhere (no build, GPU) the
-weights dequantized for the call, then F.linear.
+held to the perplexity bound only, not to token equality); on a GPU, the Triton kernel
+(kernels/triton_quant.py); elsewhere (no build) the weights dequantized for the call,
+then F.linear.
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if (w.fmt == "int8" and rows >= ACT_QUANT_ROWS and x.dtype != torch.float32
             and x.device.type == "cpu"):
         return _w8a8(x, w)
+    if x.device.type == "cuda":
+        from . import triton_quant
+
+        return triton_quant.qmm(x, w)
     ops = cpu_ops.serves("qmm", x.device)
     if ops is not None and x.is_contiguous():
         out = x.new_empty(rows, w.n)

@@ -198,3 +198,21 @@ def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, head_s
         runner.graphs = CudaGraphRunner(runner.model, runner.kv_caches, 4, 8, runner.device)
     tri.reset_prefix_cache()
     assert [o.token_ids for o in tri.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_matmul_matches_the_dequantized_weights(fmt, dtype):
+    """kernels/triton_quant.py against x @ (the weights dequantized in fp32).T: 70 weight
+    rows (a partial tile of 64), 19 rows of x (a partial tile of 16)."""
+    from baton.kernels import quant, triton_quant
+    from tests.integration.test_quantized_models import _weight
+
+    w = _weight(fmt, 70, 64)
+    x = torch.randn(19, 64).to(dtype)
+    want = x.float() @ w.dequantize().T
+    w.data = w.data.to(DEVICE)
+    w.scale = None if w.scale is None else w.scale.to(DEVICE)
+    got = triton_quant.qmm(x.to(DEVICE), w).float().cpu()
+    tol = TOL[dtype] if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
