@@ -205,7 +205,7 @@ def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, head_s
 def test_quantized_matmul_matches_the_dequantized_weights(fmt, dtype):
     """kernels/triton_quant.py against x @ (the weights dequantized in fp32).T: 70 weight
     rows (a partial tile of 64), 19 rows of x (a partial tile of 16)."""
-    from baton.kernels import quant, triton_quant
+    from baton.kernels import triton_quant
     from tests.integration.test_quantized_models import _weight
 
     w = _weight(fmt, 70, 64)
