@@ -31,17 +31,38 @@ inline int64_t qrow_bytes(int fmt, int64_t k) {
   }
 }
 
+// GCC lowers a vector conversion from bytes to scalar code: the widening is spelled
+// with the ISA's instruction where there is one (vpmovsxbd / vpmovzxbd), and so is fp16.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 inline float half_at(const uint8_t* p) {
-  c10::Half h; std::memcpy(&h, p, 2); return float(h);
+  uint16_t h; std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  c10::Half v; std::memcpy(&v, &h, 2); return float(v);
+#endif
 }
 
-// W signed or unsigned bytes as W fp32 lanes.
-typedef int8_t vsb __attribute__((vector_size(W)));
-typedef uint8_t vub __attribute__((vector_size(W)));
-inline vf bytes_signed(const uint8_t* p) {
-  vsb b; std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+// W bytes at p, widened to W int32 lanes: as int8 (signed) or uint8.
+template <bool Signed> inline vi widen(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i v = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&out, &v, sizeof out);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  std::memcpy(&out, &v, sizeof out);
+#else
+  for (int i = 0; i < W; ++i) out[i] = Signed ? int32_t(int8_t(p[i])) : int32_t(p[i]);
+#endif
+  return out;
 }
+inline vf bytes_signed(const uint8_t* p) { return __builtin_convertvector(widen<true>(p), vf); }
 
 // One row of K weights into dst (fp32): d * q (int8 with d = the row's scale, q8_0),
 // d * (q - 8) (q4_0), d * q + m (q4_1); a 4-bit block's byte j is weights j and j + 16.
@@ -65,8 +86,7 @@ inline void dequant_row(int fmt, const uint8_t* row, float scale, int64_t k, flo
     const uint8_t* nib = blk + (fmt == kQ4_1 ? 4 : 2);
     const float m = fmt == kQ4_1 ? half_at(blk + 2) : 0.f;
     for (int j = 0; j < QBLOCK / 2; j += W) {
-      vub u; std::memcpy(&u, nib + j, sizeof u);
-      vi q = __builtin_convertvector(u, vi);
+      const vi q = widen<false>(nib + j);
       vf lo = __builtin_convertvector(q & 15, vf), hi = __builtin_convertvector(q >> 4, vf);
       if (fmt == kQ4_0) {
         store(out + j, (lo - 8.f) * d);
