@@ -42,8 +42,11 @@ SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
 # Best first: (CPU flags it needs, as /proc/cpuinfo names them; compiler flags).
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # AVX-512 and its bf16 pair products (vdpbf16ps: prefill attention's bf16 path).
-    "avx512_bf16": ((*_AVX512, "avx512_bf16"), (*(f"-m{f}" for f in _AVX512), "-mavx512bf16")),
+    # AVX-512 with its bf16 pair products (vdpbf16ps: prefill attention's bf16 path) and
+    # VNNI's byte products (vpdpbusd: quantized weights, qmm.h); every CPU with the first
+    # has the second.
+    "avx512_bf16": ((*_AVX512, "avx512_bf16", "avx512_vnni"),
+                    (*(f"-m{f}" for f in _AVX512), "-mavx512bf16", "-mavx512vnni")),
     "avx512": (_AVX512, tuple(f"-m{f}" for f in _AVX512)),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "portable": ((), ()),

@@ -118,7 +118,7 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         out = x.new_empty(rows, w.n)
         empty = w.data.new_empty(0, dtype=torch.float32)
         ops.qmm(x, w.data, empty if w.scale is None else w.scale, KERNEL_FORMAT[w.fmt],
-                w.k, out)
+                w.k, x.dtype != torch.float32 and rows < ACT_QUANT_ROWS, out)
         return out
     return F.linear(x, w.dequantize(x.dtype))
 

@@ -170,8 +170,10 @@ void rope_and_cache(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
 }
 
 // -- x @ W^T with W kept quantized (qmm.h; the formats: kernels/quant.py)
+// act_int8: bf16/fp16 activations may be quantized per block for VNNI's integer dot
+// products, where this build has them (qmm.h); else, and for fp32, weight-only fp32.
 void qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t fmt,
-         int64_t k, at::Tensor& out) {
+         int64_t k, bool act_int8, at::Tensor& out) {
   TORCH_CHECK(fmt >= kInt8 && fmt <= kQ4_1, "qmm: unknown format ", fmt);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "qmm: x must be [M, k]");
   TORCH_CHECK(fmt == kInt8 || k % QBLOCK == 0, "qmm: k must be a multiple of 32");
@@ -185,6 +187,14 @@ void qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int
   const float* sp = fmt == kInt8 ? scales.data_ptr<float>() : nullptr;
   by_dtype(x.scalar_type(), "qmm", [&](auto tag) {
     using scalar_t = decltype(tag);
+#ifdef BATON_QMM_VNNI
+    if (act_int8 && k % QBLOCK == 0 && x.scalar_type() != at::kFloat) {
+      qmm_int8_acts<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0),
+                              static_cast<const uint8_t*>(w.data_ptr()), sp, int(fmt), k, N,
+                              out.data_ptr<scalar_t>());
+      return;
+    }
+#endif
     qmm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0),
                        static_cast<const uint8_t*>(w.data_ptr()), sp, int(fmt), k, N,
                        out.data_ptr<scalar_t>());
@@ -207,7 +217,8 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
         "Tensor(c!) vc, Tensor slots, int kv_heads) -> ()");
   m.def("prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, Tensor starts, "
         "int first_seq, Tensor(a!) out, float scale, int window, float softcap) -> ()");
-  m.def("qmm(Tensor x, Tensor w, Tensor scales, int fmt, int k, Tensor(a!) out) -> ()");
+  m.def("qmm(Tensor x, Tensor w, Tensor scales, int fmt, int k, bool act_int8, "
+        "Tensor(a!) out) -> ()");
 }
 
 BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {

@@ -10,6 +10,7 @@
 // A decode step (M <= MB) reads every weight byte once: at batch 1 it is bound by that
 // read, which is what quantized weights shrink.
 #pragma once
+#include <cmath>
 #include <vector>
 
 #include "vec.h"
@@ -114,6 +115,157 @@ inline void qdot_tile(const float* x, const float* w, int64_t kp, float out[4][Q
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < QR; ++r) out[m][r] = sum(acc[m][r]);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BATON_QMM_VNNI 1
+// -- The integer path (bf16/fp16 activations, few rows; VNNI's u8 x s8 dot products):
+// x quantized per 32-column block as llama.cpp's Q8 activations are,
+//   qx = round(x / sx), sx = max|x| / 127, sq = sum(qx)   per (row, block),
+// and each weight block as unsigned bytes u with w = a * u + c (a, c per block):
+//   q4_0  u = q,        a = d,  c = -8 d       q4_1  u = q,  a = d,  c = m
+//   q8_0  u = q + 128,  a = d,  c = -128 d     int8  u = q + 128,  a = 1,  c = -128
+// so that  sum_j x_j w_j ~= sum_b sx_b (a_b dot(u_b, qx_b) + c_b sq_b),  the dot in int32
+// (vpdpbusd), and for int8 the row's scale multiplies the whole.
+struct QActs {
+  int64_t blocks;         // of the row, padded to a multiple of 8 (zeros past K)
+  std::vector<int8_t> q;  // [M, blocks * 32]
+  std::vector<float> s;   // [M, blocks]: sx
+  std::vector<float> cs;  // [M, blocks]: sx * sq
+};
+
+template <typename T>
+QActs quantize_acts(const T* x, int64_t xs, int64_t M, int64_t k) {
+  const int64_t blocks = (k / QBLOCK + 7) / 8 * 8;
+  QActs a{blocks, std::vector<int8_t>(size_t(M * blocks * QBLOCK), 0),
+          std::vector<float>(size_t(M * blocks), 0.f),
+          std::vector<float>(size_t(M * blocks), 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < k / QBLOCK; ++b) {
+      float v[QBLOCK], amax = 0.f;
+      for (int j = 0; j < QBLOCK; ++j) {
+        v[j] = float(x[m * xs + b * QBLOCK + j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sq = 0;
+      int8_t* q = a.q.data() + (m * blocks + b) * QBLOCK;
+      for (int j = 0; j < QBLOCK; ++j) {
+        q[j] = int8_t(std::nearbyint(v[j] * inv));
+        sq += q[j];
+      }
+      a.s[size_t(m * blocks + b)] = amax / 127.f;
+      a.cs[size_t(m * blocks + b)] = amax / 127.f * float(sq);
+    }
+  return a;
+}
+
+// Weight block b of a row as 32 unsigned bytes u (in weight order).
+inline __m256i unsigned_block(int fmt, const uint8_t* row, int64_t b) {
+  if (fmt == kInt8 || fmt == kQ8_0) {
+    const uint8_t* p = fmt == kInt8 ? row + b * QBLOCK : row + b * (2 + QBLOCK) + 2;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));
+  }
+  const int64_t bytes = fmt == kQ4_1 ? 4 + QBLOCK / 2 : 2 + QBLOCK / 2;
+  const __m128i nib = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(row + b * bytes + bytes - 16));
+  const __m128i lo = _mm_and_si128(nib, _mm_set1_epi8(0x0f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(nib, 4), _mm_set1_epi8(0x0f));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+// a and c (above) of blocks b0 .. b0 + 7 of a row (0 past `blocks`), as 8 lanes each.
+inline void block_coefs(int fmt, const uint8_t* row, int64_t b0, int64_t blocks, __m256& a,
+                        __m256& c) {
+  if (fmt == kInt8) {
+    a = _mm256_set1_ps(1.f);
+    c = _mm256_set1_ps(-128.f);
+    return;
+  }
+  const int64_t bytes = qrow_bytes(fmt, QBLOCK);
+  const uint8_t* p = row + b0 * bytes;
+  // Lanes by 16-bit inserts, not through memory (a store then a wider load stalls).
+  auto half = [&](int i, int at) -> int {
+    uint16_t h = 0;
+    if (b0 + i < blocks) std::memcpy(&h, p + i * bytes + at, 2);
+    return h;
+  };
+  __m128i d = _mm_setzero_si128(), m = _mm_setzero_si128();
+#define BATON_LANE(i)                                   \
+  d = _mm_insert_epi16(d, half(i, 0), i);               \
+  if (fmt == kQ4_1) m = _mm_insert_epi16(m, half(i, 2), i);
+  BATON_LANE(0) BATON_LANE(1) BATON_LANE(2) BATON_LANE(3)
+  BATON_LANE(4) BATON_LANE(5) BATON_LANE(6) BATON_LANE(7)
+#undef BATON_LANE
+  a = _mm256_cvtph_ps(d);
+  c = fmt == kQ4_1 ? _mm256_cvtph_ps(m)
+                   : _mm256_mul_ps(a, _mm256_set1_ps(fmt == kQ4_0 ? -8.f : -128.f));
+}
+
+// [sum(v[0]), ..., sum(v[7])] of eight vectors of 8 int32 lanes.
+inline __m256i sum8(const __m256i v[8]) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+  // lo = [0123 halves of v0..v3 | the other halves]: add the two 128-bit halves across.
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                          _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+template <typename T>
+void qmm_int8_acts(const T* x, int64_t xs, int64_t M, const uint8_t* w, const float* scales,
+                   int fmt, int64_t k, int64_t N, T* out) {
+  const int64_t blocks = k / QBLOCK, rb = qrow_bytes(fmt, k);
+  const QActs acts = quantize_acts(x, xs, M, k);
+  const int64_t bp = acts.blocks;
+  // Eight blocks at a time: their integer dots, summed to one lane each, are scaled by
+  // one vector multiply-add, and their a and c come in one fp16 conversion. R rows at a
+  // time would share the activations' loads: 1 measured fastest (2 spill registers).
+  constexpr int R = 1;
+  at::parallel_for(0, (N + R - 1) / R, 2, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t n0 = t * R, rows = std::min<int64_t>(R, N - n0);
+      const uint8_t* row[R];
+      for (int r = 0; r < R; ++r) row[r] = w + (n0 + std::min<int64_t>(r, rows - 1)) * rb;
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* qx = acts.q.data() + m * bp * QBLOCK;
+        __m256 acc[R], off[R];
+        for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+        for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+          __m256i dots[R][8];
+          for (int i = 0; i < 8; ++i) {
+            const int64_t b = b0 + i;
+            if (b >= blocks) {
+              for (int r = 0; r < R; ++r) dots[r][i] = _mm256_setzero_si256();
+              continue;
+            }
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * QBLOCK));
+            for (int r = 0; r < R; ++r)
+              dots[r][i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                               unsigned_block(fmt, row[r], b), q);
+          }
+          const __m256 sx = _mm256_loadu_ps(acts.s.data() + m * bp + b0);
+          const __m256 cs = _mm256_loadu_ps(acts.cs.data() + m * bp + b0);
+          for (int r = 0; r < R; ++r) {
+            __m256 a, c;
+            block_coefs(fmt, row[r], b0, blocks, a, c);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8(dots[r])), _mm256_mul_ps(a, sx),
+                                     acc[r]);
+            off[r] = _mm256_fmadd_ps(c, cs, off[r]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float lanes[8];
+          _mm256_storeu_ps(lanes, _mm256_add_ps(acc[r], off[r]));
+          float total = 0.f;
+          for (float l : lanes) total += l;
+          out[m * N + n0 + r] = T(scales ? total * scales[n0 + r] : total);
+        }
+      }
+    }
+  });
+}
+#endif
 
 template <typename T>
 void qmm_rows(const T* x, int64_t xs, int64_t M, const uint8_t* w, const float* scales,

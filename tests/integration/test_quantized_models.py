@@ -53,9 +53,31 @@ def test_the_kernel_equals_fp32_over_dequantized_weights(isa, fmt):
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_integer_path_is_fp32_over_block_quantized_activations(fmt):
+    """bf16 activations, few rows, on a build with VNNI: x quantized per 32-column block
+    (round(x / s), s = max|x| / 127), then exact integer dot products: the same as fp32
+    over the quantized activations and the dequantized weights."""
+    isa = cpu_ops.supported()[0]
+    module = cpu_ops.ops(isa)
+    if module is None or "avx512_vnni" not in cpu_ops.ISAS[isa][0]:
+        pytest.skip(f"no build with VNNI here (best ISA {isa}): the integer path is not built")
+    w = _weight(fmt, 37, 96)
+    x = (torch.randn(3, 96) * torch.tensor([0.1, 1.0, 20.0]).repeat(32)).bfloat16()
+    blocks = x.float().view(3, 3, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks / s) * s).view(3, 96)
+    want = xq @ w.dequantize().T
+    out = x.new_empty(3, w.n)
+    module.qmm(x, w.data, w.scale if w.scale is not None else torch.empty(0),
+               quant.KERNEL_FORMAT[fmt], w.k, True, out)
+    torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max())
+    assert not torch.allclose(out.float(), x.float() @ w.dequantize().T, rtol=1e-3, atol=0)
+
+
 def _weight_only(module, x, w):
     out = x.new_empty(x.shape[0], w.n)
-    module.qmm(x, w.data, w.scale, quant.KERNEL_FORMAT[w.fmt], w.k, out)
+    module.qmm(x, w.data, w.scale, quant.KERNEL_FORMAT[w.fmt], w.k, False, out)
     return out
 
 

@@ -16,8 +16,11 @@ from baton.kernels import cpu_ops
      ["avx512", "avx2", "portable"]),
     # AVX-512 BF16 without the rest of AVX-512's subsets is not enough for its build.
     ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}, ["avx2", "portable"]),
+    # ... nor without VNNI (the quantized weights' byte products).
     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
-     ["avx512_bf16", "avx512", "avx2", "portable"]),
+     ["avx512", "avx2", "portable"]),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+      "avx512_vnni"}, ["avx512_bf16", "avx512", "avx2", "portable"]),
 ])
 def test_the_isas_a_cpu_runs_follow_its_flags_best_first(monkeypatch, flags, want):
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
