@@ -112,7 +112,8 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if x.device.type == "cuda":
         from . import triton_quant
 
-        return triton_quant.qmm(x, w)
+        return triton_quant.qmm(x, w.data, w.scale, KERNEL_FORMAT[w.fmt],
+                                BLOCK_BYTES.get(w.fmt, BLOCK), w.n, w.k)
     ops = cpu_ops.serves("qmm", x.device)
     if ops is not None and x.is_contiguous():
         out = x.new_empty(rows, w.n)

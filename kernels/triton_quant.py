@@ -1,5 +1,5 @@
-"""Triton path of the quantized matmul (formats in kernels/quant.py): out = x @ W^T on a
-GPU, the weights read as they are stored, one launch per call.
+"""Triton path of the quantized matmul (formats: kernels/quant.py, which calls this): out =
+x @ W^T on a GPU, the weights read as they are stored, one launch per call.
 
 Grid: (tile of BLOCK_M rows of x, tile of BLOCK_N weight rows). A program walks K one
 32-weight block at a time (a GGUF block; for int8, 32 columns): it loads x's [BLOCK_M, 32]
@@ -24,8 +24,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from . import quant
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # tl.dot's minimum
@@ -77,19 +75,20 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, row_bytes, stride_x, stri
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def qmm(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype."""
-    assert x.dim() == 2 and x.shape[1] == w.k and x.stride(1) == 1, x.shape
-    out = x.new_empty(x.shape[0], w.n)
+def qmm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, fmt: int,
+        block_bytes: int, n: int, k: int) -> torch.Tensor:
+    """x [M, k] @ W^T -> [M, n] in x's dtype, for W's rows `data` in format `fmt`
+    (quant.KERNEL_FORMAT; `block_bytes` per GGUF block) with int8's row `scale`."""
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, x.shape
+    out = x.new_empty(x.shape[0], n)
     if x.shape[0] == 0:
         return out
-    scale = w.scale if w.scale is not None else out.new_empty(0, dtype=torch.float32)
-    grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(w.n, BLOCK_N))
+    scale = scale if scale is not None else out.new_empty(0, dtype=torch.float32)
+    grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _qmm_kernel[grid](
-            x, w.data, scale, out, x.shape[0], w.n, w.k, w.data.shape[1], x.stride(0),
-            out.stride(0), FMT=quant.KERNEL_FORMAT[w.fmt],
-            BLOCK_BYTES=quant.BLOCK_BYTES.get(w.fmt, 32), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            x, data, scale, out, x.shape[0], n, k, data.shape[1], x.stride(0),
+            out.stride(0), FMT=fmt, BLOCK_BYTES=block_bytes, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             # The interpreter multiplies bf16 as raw bits: it gets fp32 operands.
             UPCAST=_INTERPRET and x.dtype != torch.float32)

@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .loader import load_checkpoint, resolve_model_path
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .quantization import stored_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ def load(config: EngineConfig) -> Built:
     max_len = config.max_model_len or limit
     t1 = time.monotonic()
     runner = ModelRunner(config, model_config, weights, max_len, checkpoint=path)
-    log.info("loaded %s (%s, %s) in %.1fs", name, model_config.architecture,
-             config.dtype, time.monotonic() - t1)
+    log.info("loaded %s (%s, %s, quantization %s: weights %.0f MiB) in %.1fs", name,
+             model_config.architecture, config.dtype, config.quantization,
+             stored_bytes(runner.model) / 2**20, time.monotonic() - t1)
     num_blocks = runner.profile_num_blocks()
     # One request must always fit alone, or it could never finish.
     capacity = (num_blocks - 1) * config.block_size

@@ -104,6 +104,24 @@ def apply(model: nn.Module, method: str | None, checkpoint: Path) -> None:
         model.embed_tokens.data = model.embed_tokens.data.new_empty(0)  # type: ignore
 
 
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as stored, each tensor once (a tied head and its embedding
+    too): the parameters (a dense weight replaced by a quantized one is empty) and the
+    quantized weights. Also what a decode step reads, but for the embedding's rows."""
+    tensors = list(model.parameters())
+    for m in model.modules():
+        for w in [*getattr(m, "packed", {}).values(), getattr(m, "lm_head_packed", None),
+                  getattr(m, "embed_quant", None)]:
+            if isinstance(w, quant.QuantWeight):
+                tensors += [w.data] + ([] if w.scale is None else [w.scale])
+    seen, total = set(), 0
+    for t in tensors:
+        if t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def gguf_weights(path: Path, c: ModelConfig
                  ) -> tuple[dict[str, quant.QuantWeight], quant.QuantWeight | None]:
     """The linears of a GGUF whose every part is Q4_0, Q4_1 or Q8_0 (q/k/v and gate/up

@@ -9,6 +9,7 @@ import torch
 
 from baton.kernels import cpu_ops, quant
 from baton.services.engine import LLM, SamplingParams
+from baton.services.engine.quantization import stored_bytes
 from tests.tiny_models import build, gguf_ready_config, write_gguf
 
 VOCAB = 1024
@@ -117,6 +118,11 @@ def test_a_quantized_gguf_kept_quantized_serves_its_dequantized_tokens(family, q
     model = kept.engine.runner.model
     assert model.embed_tokens.numel() == 0 and model.embed_quant is not None
     assert model.layers[0].mlp.gate_up_weight.numel() == 0  # the dense copy is gone
+    # Stored as the file stores them: its quantized tensors' bytes, its F32 ones in fp32.
+    from gguf import GGUFReader
+
+    in_file = sum(int(t.n_bytes) for t in GGUFReader(str(tmp_path / "m.gguf")).tensors)
+    assert stored_bytes(model) == in_file
     assert _greedy(kept) == _greedy(dense)
 
 

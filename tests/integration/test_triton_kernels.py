@@ -205,14 +205,14 @@ def test_engine_with_triton_kernels_equals_hf_and_torch_backend(make_llm, head_s
 def test_quantized_matmul_matches_the_dequantized_weights(fmt, dtype):
     """kernels/triton_quant.py against x @ (the weights dequantized in fp32).T: 70 weight
     rows (a partial tile of 64), 19 rows of x (a partial tile of 16)."""
-    from baton.kernels import triton_quant
+    from baton.kernels import quant, triton_quant
     from tests.integration.test_quantized_models import _weight
 
     w = _weight(fmt, 70, 64)
     x = torch.randn(19, 64).to(dtype)
     want = x.float() @ w.dequantize().T
-    w.data = w.data.to(DEVICE)
-    w.scale = None if w.scale is None else w.scale.to(DEVICE)
-    got = triton_quant.qmm(x.to(DEVICE), w).float().cpu()
+    scale = None if w.scale is None else w.scale.to(DEVICE)
+    got = triton_quant.qmm(x.to(DEVICE), w.data.to(DEVICE), scale, quant.KERNEL_FORMAT[fmt],
+                           quant.BLOCK_BYTES.get(fmt, quant.BLOCK), w.n, w.k).float().cpu()
     tol = TOL[dtype] if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())

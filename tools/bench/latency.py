@@ -21,29 +21,12 @@ import time
 
 import torch
 
-from baton.kernels import cpu_ops, quant
+from baton.kernels import cpu_ops
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.llm import LLM
+from baton.services.engine.quantization import stored_bytes
 
 from .machine import machine_line, read_seconds
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads, each tensor once (tied ones too): the
-    parameters (a dense weight replaced by a quantized one is empty) and the quantized
-    weights."""
-    seen, total = set(), 0
-    tensors = [p for p in model.parameters()]
-    for m in model.modules():
-        packed = list(getattr(m, "packed", {}).values())
-        for w in [*packed, getattr(m, "lm_head_packed", None), getattr(m, "embed_quant", None)]:
-            if isinstance(w, quant.QuantWeight):
-                tensors += [w.data] + ([] if w.scale is None else [w.scale])
-    for t in tensors:
-        if t.numel() and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def per_token(llm: LLM, prompt: list[int], tokens: int) -> float:
@@ -88,7 +71,7 @@ def main() -> None:
     kv = (args.prompt + args.tokens // 2) * mc.num_layers * 2 * mc.num_kv_heads * \
         mc.head_dim * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     for m, llm in llms.items():
-        weights = weight_bytes(llm.engine.runner.model)
+        weights = stored_bytes(llm.engine.runner.model)
         bound = read_seconds(weights + kv)
         print(f"{m}: batch-1 decode {best[m] * 1e3:.2f} ms/token; weights "
               f"{weights / 2**20:.0f} MiB + KV {kv / 2**20:.1f} MiB read once: "
