@@ -5,7 +5,7 @@ from __future__ import annotations
 from baton.services.common.limits import TABLE
 from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.tool_parsers import TOOL_PARSERS
-from baton.services.engine.config import DTYPES
+from baton.services.engine.config import DTYPES, KV_CACHE_DTYPES
 
 from .flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
 
@@ -75,6 +75,10 @@ FLAGS: list[Flag] = [
     _f("dtype", WORKERS, "engine.dtype",
        "weights, activations and KV cache; auto: the checkpoint's, in bf16 on CPU and for "
        "fp32 checkpoints", choices=DTYPES),
+    _f("kv-cache-dtype", WORKERS, "engine.kv_cache_dtype",
+       "the KV cache's element type: auto (the model's dtype), or fp8 (= fp8_e4m3) or "
+       "fp8_e5m2, one byte per element, scaled per layer by the checkpoint's k_scale and "
+       "v_scale (else 1.0); both workers of a P/D pair must agree", choices=KV_CACHE_DTYPES),
     _f("device", WORKERS, "engine.device", "auto, cpu or cuda[:N]"),
     _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
     _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",

@@ -15,6 +15,9 @@ and scores become softcap * tanh(scale * QK^T / softcap) before the mask (Gemma 
 None turns either off (softcap 0 too, as in flash-attn); with both off every backend runs
 its plain path, unchanged.
 
+An fp8 KV cache (kernels/kv_quant.py) is read by "torch" and "reference" alone, which take
+its per-layer scales as k_scale and v_scale on both calls; flash-attn and Triton refuse it.
+
 Backends: "flash-attn" (kernels/flash.py), "triton" (kernels/triton_attn.py), "torch"
 (kernels/torch_attn.py: torch ops, any device; the CUDA fallback) and "reference" (slow, for tests).
 """
@@ -27,7 +30,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference, torch_attn
+from . import kv_quant, reference, torch_attn
 
 BACKENDS = ("flash-attn", "triton", "torch", "reference")
 log = logging.getLogger(__name__)
@@ -53,13 +56,24 @@ def _triton(device: torch.device) -> tuple[ModuleType | None, str]:
 
 
 def select_backend(device: torch.device, name: str | None = None, *, block_size: int = 16,
-                   head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> ModuleType:
+                   head_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
+                   kv_dtype: torch.dtype | None = None) -> ModuleType:
     """The attention backend for a device and KV layout.
 
     name None picks the best that works: on CUDA flash-attn, then Triton, then torch;
     elsewhere torch. A name forces that backend, and raises ValueError, saying why, if it
-    cannot run here.
+    cannot run here. kv_dtype: the cache's dtype (None: `dtype`); an fp8 one is served by
+    torch and the reference only.
     """
+    if kv_dtype is not None and kv_quant.is_fp8(kv_dtype):
+        if name in ("flash-attn", "triton"):
+            raise ValueError(f"attention backend {name!r} does not read an fp8 KV cache "
+                             f"({kv_dtype}); use --attention-backend torch or "
+                             "--kv-cache-dtype auto")
+        if name is None and device.type == "cuda":
+            log.warning("attention backend: torch (flash-attn and Triton do not read an "
+                        "fp8 KV cache)")
+        name = name or "torch"
     if name == "reference":
         return reference
     if name == "torch":

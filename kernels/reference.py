@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kv_layout
+from . import kv_layout, kv_quant
 from .metadata import AttentionMetadata
 
 
@@ -17,8 +17,13 @@ def reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,  # one layer's, kernels/kv_layout.py
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: float = 1.0,  # an fp8 cache stores key / k_scale (kernels/kv_quant.py)
+    v_scale: float = 1.0,
 ) -> None:
     key_cache, value_cache = kv_layout.head_views(kv_cache)
+    if kv_quant.is_fp8(kv_cache.dtype):
+        key = kv_quant.quantize(key, k_scale, kv_cache.dtype)
+        value = kv_quant.quantize(value, v_scale, kv_cache.dtype)
     block_size = key_cache.shape[2]
     for t, slot in enumerate(slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
@@ -35,6 +40,8 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,  # what an fp8 cache's elements are multiplied by when read
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix plus themselves.
 
@@ -44,6 +51,8 @@ def paged_attention(
     Reads everything from the cache (after reshape_and_cache), ignoring `key`/`value`.
     """
     del key, value
+    if not kv_quant.is_fp8(kv_cache.dtype):
+        k_scale = v_scale = 1.0
     key_cache, value_cache = kv_layout.head_views(kv_cache)
     block_size = key_cache.shape[2]
     num_heads = query.shape[1]
@@ -54,8 +63,8 @@ def paged_attention(
         seq_len = meta.seq_lens_cpu[i]
         positions = torch.arange(seq_len, device=key_cache.device)
         blocks = meta.block_tables[i].to(key_cache.device).long()[positions // block_size]
-        k = key_cache[:, blocks, positions % block_size].float()  # [kv_heads, seq_len, d]
-        v = value_cache[:, blocks, positions % block_size].float()
+        k = key_cache[:, blocks, positions % block_size].float() * k_scale  # [kv_heads, L, d]
+        v = value_cache[:, blocks, positions % block_size].float() * v_scale
         k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)
         q = query[start:end].float()

@@ -9,6 +9,9 @@ A sliding window (a token at p sees keys p - window < k <= p) is a mask, plus ga
 only the blocks the window touches; it skips the shared-prefix paths. Soft-capping
 (softcap * tanh(scores / softcap), before the mask) runs everywhere but SDPA, which cannot
 do it: such chunks take explicit matmuls.
+
+An fp8 cache (kernels/kv_quant.py) is written quantized and read back dequantized to the
+query's dtype; the C++ kernels do not read it, so its layers take the torch paths.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ops, kv_layout
+from . import cpu_ops, kv_layout, kv_quant
 from .metadata import AttentionMetadata
 
 
@@ -25,6 +28,8 @@ def reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _, kv_heads, block_size, d = kv_layout.dims(kv_cache)
     # Token t's K and V rows, every head, all inside its slot's block: one index_copy_ into
@@ -35,12 +40,22 @@ def reshape_and_cache(
     where = dict(kv_heads=kv_heads, block_size=block_size, head_dim=1)
     rows = torch.stack((kv_layout.offset(block, kv_layout.K, heads, pos, **where),
                         kv_layout.offset(block, kv_layout.V, heads, pos, **where)), 1)
-    kv_cache.view(-1, d).index_copy_(0, rows.reshape(-1),
-                                     torch.stack((key, value), 1).reshape(-1, d))
+    rows = rows.reshape(-1)
+    if kv_quant.is_fp8(kv_cache.dtype):
+        new = torch.stack((kv_quant.quantize(key, k_scale, kv_cache.dtype),
+                           kv_quant.quantize(value, v_scale, kv_cache.dtype)), 1)
+        kv_quant.as_bytes(kv_cache).view(-1, d).index_copy_(
+            0, rows, kv_quant.as_bytes(new).reshape(-1, d))
+        return
+    kv_cache.view(-1, d).index_copy_(0, rows, torch.stack((key, value), 1).reshape(-1, d))
+
+
+# How an fp8 cache reads back: (k_scale, v_scale, the query's dtype); None for the others.
+Dequant = tuple[float, float, torch.dtype] | None
 
 
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor,
-            num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            num_blocks: int, dq: Dequant = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, num_blocks] block ids -> K and V, each [kv_heads, B, num_blocks * bs, head_dim].
 
     One index_select of whole (block, K|V, head) chunks (each contiguous in the cache, and
@@ -55,6 +70,10 @@ def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         kv_layout.chunk(ids[None, :], kv_layout.V, heads, kv_heads)))
     g = torch.index_select(kv_layout.chunks(kv_cache), 0, rows.reshape(-1))
     g = g.view(2, kv_heads, b, -1, d)
+    if dq is not None:
+        k_scale, v_scale, dtype = dq
+        return (kv_quant.dequantize(g[0], k_scale, dtype),
+                kv_quant.dequantize(g[1], v_scale, dtype))
     return g[0], g[1]
 
 
@@ -73,7 +92,7 @@ def _softcap_(scores: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def _decode(query, kv_cache, meta: AttentionMetadata, scale, out, window,
-            softcap) -> None:
+            softcap, dq: Dequant) -> None:
     n = meta.num_decodes
     graph_width = meta.decode_max_seq_len > max(meta.seq_lens_cpu[:n])
     # Cascade attention: K/V of blocks that every row shares are gathered once, and every
@@ -81,7 +100,7 @@ def _decode(query, kv_cache, meta: AttentionMetadata, scale, out, window,
     # the shared prefix is mostly outside it.
     shared = meta.num_shared_blocks if window is None else 0
     ops = cpu_ops.serves("decode", query.device)
-    if ops is not None and not (shared and CASCADE_ON_CPU):
+    if ops is not None and dq is None and not (shared and CASCADE_ON_CPU):
         # Each row reads its blocks in place, once (kernels/cpu/attention.h).
         ops.decode(query[:n], *kv_layout.head_views(kv_cache), meta.block_tables[:n],
                    meta.seq_lens[:n], out[:n], scale, window or 0, softcap or 0.0)
@@ -89,14 +108,14 @@ def _decode(query, kv_cache, meta: AttentionMetadata, scale, out, window,
     prefix = None
     if shared:
         table = meta.block_tables[:1, :shared]
-        pk, pv = _gather(kv_cache, table, shared)
+        pk, pv = _gather(kv_cache, table, shared, dq)
         prefix = (pk[:, 0], pv[:, 0])
     for a in range(0, n, DECODE_GROUP):
         b = min(n, a + DECODE_GROUP)
         # A CUDA graph fixes the width for every row: decode_max_seq_len, not the group's.
         max_len = meta.decode_max_seq_len if graph_width else max(meta.seq_lens_cpu[a:b])
         _decode_group(query, kv_cache, meta, scale, out, a, b, max_len,
-                      shared, prefix, window, softcap)
+                      shared, prefix, window, softcap, dq)
 
 
 def _window_tables(meta: AttentionMetadata, a, b, num_blocks, block_size, window):
@@ -118,7 +137,7 @@ def _window_tables(meta: AttentionMetadata, a, b, num_blocks, block_size, window
 
 
 def _decode_group(query, kv_cache, meta, scale, out, a, b, max_len, shared,
-                  prefix, window, softcap) -> None:
+                  prefix, window, softcap, dq: Dequant) -> None:
     """Rows a..b attend over `shared` common blocks (K/V in `prefix`) and then each over its
     own remaining blocks, padded to the group's longest row:
 
@@ -136,7 +155,7 @@ def _decode_group(query, kv_cache, meta, scale, out, a, b, max_len, shared,
     else:
         tables, pad = _window_tables(meta, a, b, num_blocks, block_size, window)
         width = tables.shape[1]
-    k, v = _gather(kv_cache, tables, width)  # each [kv_heads, n, L_own, d]
+    k, v = _gather(kv_cache, tables, width, dq)  # each [kv_heads, n, L_own, d]
     pad = pad.view(1, n, 1, -1)
     # GQA without repeating K/V: the `group` query heads that share a KV head become that
     # head's query rows: [kv_heads, n, group, d], batched over (kv head, request).
@@ -172,9 +191,9 @@ def _prefix_len(meta: AttentionMetadata, i: int) -> int:
 
 
 def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, window,
-             softcap) -> None:
+             softcap, dq: Dequant) -> None:
     ops = cpu_ops.serves("prefill", query.device)
-    if (ops is not None and query.shape[-1] in cpu_ops.PREFILL_HEAD_DIMS
+    if (ops is not None and dq is None and query.shape[-1] in cpu_ops.PREFILL_HEAD_DIMS
             and query.dtype in cpu_ops.PREFILL_DTYPES):
         # Every chunk in one call, keys read through the block tables (kernels/cpu/prefill.h).
         ops.prefill(query, *kv_layout.head_views(kv_cache), meta.block_tables, meta.seq_lens,
@@ -191,7 +210,7 @@ def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, w
     first = next((i for i in rows if _prefix_len(meta, i) >= block_size), None)
     if shared and first is not None:
         table = meta.block_tables[first:first + 1, :shared]
-        pk, pv = _gather(kv_cache, table, shared)
+        pk, pv = _gather(kv_cache, table, shared, dq)
         prefix = (pk[:, 0], pv[:, 0])
     for i in rows:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -206,7 +225,7 @@ def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, w
         elif prefix is not None and seq_len - q_len >= block_size:
             out[start:end] = _prefill_after_shared(query[start:end], kv_cache,
                                                    meta.block_tables[i], seq_len, shared,
-                                                   prefix, scale, softcap)
+                                                   prefix, scale, softcap, dq)
             continue
         else:
             # Keys from `lo` on: 0, or with a window the start of the block holding the
@@ -221,7 +240,7 @@ def _prefill(query, key, value, kv_cache, meta: AttentionMetadata, scale, out, w
                 num_blocks = (seq_len + block_size - 1) // block_size
                 table = meta.block_tables[i : i + 1, lo // block_size:]
                 own = num_blocks - lo // block_size
-                k, v = _gather(kv_cache, table, own)
+                k, v = _gather(kv_cache, table, own, dq)
                 k = k[:, :, :seq_len - lo].transpose(0, 1)
                 v = v[:, :, :seq_len - lo].transpose(0, 1)
             # New token j sits at position seq_len - q_len + j; it sees keys at <= that
@@ -254,7 +273,7 @@ def _capped_attention(q, k, v, mask, scale, softcap):
 
 
 def _prefill_after_shared(q, kv_cache, table, seq_len, shared, prefix, scale,
-                          softcap):
+                          softcap, dq: Dequant):
     """One chunk of q_len new tokens whose first `shared` blocks are the shared prefix:
 
         keys:  | shared blocks (gathered once) | own cached blocks + new tokens, causal |
@@ -268,7 +287,7 @@ def _prefill_after_shared(q, kv_cache, table, seq_len, shared, prefix, scale,
     start = shared * block_size
     num_blocks = (seq_len + block_size - 1) // block_size
     own_table = table[shared:num_blocks].unsqueeze(0)
-    k, v = _gather(kv_cache, own_table, num_blocks - shared)
+    k, v = _gather(kv_cache, own_table, num_blocks - shared, dq)
     k, v = k[:, 0, :seq_len - start], v[:, 0, :seq_len - start]
     # Rows (g, t) of kv head h hold query head h * group + g at new token t.
     qh = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, -1, d)
@@ -295,10 +314,19 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
+    dq: Dequant = None
+    if kv_quant.is_fp8(kv_cache.dtype):
+        # The new K/V as the cache holds them: a chunk reads its own tokens as later
+        # chunks will.
+        dq = (k_scale, v_scale, query.dtype)
+        key = kv_quant.round_trip(key, k_scale, kv_cache.dtype)
+        value = kv_quant.round_trip(value, v_scale, kv_cache.dtype)
     if meta.num_decodes:
-        _decode(query, kv_cache, meta, scale, out, window, softcap)
+        _decode(query, kv_cache, meta, scale, out, window, softcap, dq)
     if meta.num_seqs > meta.num_decodes:
-        _prefill(query, key, value, kv_cache, meta, scale, out, window, softcap)
+        _prefill(query, key, value, kv_cache, meta, scale, out, window, softcap, dq)
     return out

@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 
 import baton.kernels.kv_layout as kv_layout
 
-ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The KV cache's element types: the model's dtype, or an fp8 one (--kv-cache-dtype).
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+                "float8_e5m2": 1}
 
 
 class TransferState(enum.Enum):
@@ -54,6 +56,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     cache_layout: str = kv_layout.NAME  # the order of a layer tensor's elements
+    # An fp8 cache's per-layer k_scale/v_scale, as the engine states them ("1": all 1.0,
+    # else a digest); "" where the cache stores the model's dtype, unscaled.
+    kv_scales: str = ""
 
     @property
     def fingerprint(self) -> str:

@@ -36,8 +36,9 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
         raise ValueError(f"got {len(data)} bytes for {len(block_ids)} blocks of "
                          f"{per_block} bytes")
     buffer = data if isinstance(data, bytearray) else bytearray(data)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(ref.dtype)
-    blocks = flat.view(len(block_ids), len(kv_caches), *ref.shape[1:]).to(ref.device)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    blocks = flat.view(len(block_ids), len(kv_caches), -1).to(ref.device)
     idx = torch.tensor(block_ids, dtype=torch.long, device=ref.device)
+    # Copied as bytes, whatever the dtype: exact, and torch's CPU index_copy_ has no fp8.
     for layer, kv in enumerate(kv_caches):
-        kv.index_copy_(0, idx, blocks[:, layer])
+        kv.view(torch.uint8).view(kv.shape[0], -1).index_copy_(0, idx, blocks[:, layer])

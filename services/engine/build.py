@@ -6,6 +6,7 @@ KV layout its transfers are checked against. engine.py drives what this builds."
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -76,10 +77,24 @@ def load(config: EngineConfig) -> Built:
     commit = model_source.model_commit(path)
     # KV computed with quantized weights differs from KV of the dense ones: not a pair.
     quantized = f"+{config.quantization}" if config.quantization else ""
+    # The dtype as stored (fp8 or the model's), and an fp8 cache's scales: a peer that
+    # stores or scales otherwise is refused at the handshake, never served.
     kv_layout = KVLayout(model=name + (f"@{commit}" if commit else "") + quantized,
-                         dtype=config.dtype,
+                         dtype=str(runner.kv_dtype).removeprefix("torch."),
                          block_size=config.block_size, num_layers=model_config.num_layers,
                          num_kv_heads=model_config.num_kv_heads,
-                         head_dim=model_config.head_dim)
+                         head_dim=model_config.head_dim, kv_scales=kv_scales_text(runner))
     return Built(config, name, tokenizer, model_config, sampling_defaults, runner,
                  num_blocks, max_model_len, kv_layout)
+
+
+def kv_scales_text(runner: ModelRunner) -> str:
+    """An fp8 cache's k_scale and v_scale of every layer, for the layout: "1" when all
+    are 1.0, else 16 hex digits of SHA-256 over them; "" for a cache that has none."""
+    if runner.kv_dtype == runner.dtype:
+        return ""
+    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale)
+              for layer in runner.model.decoder_layers]
+    if all(s == 1.0 for pair in scales for s in pair):
+        return "1"
+    return hashlib.sha256(repr(scales).encode()).hexdigest()[:16]

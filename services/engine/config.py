@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from ..lora.names import parse_lora_module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype: "auto" stores the model's dtype; "fp8" is vLLM's alias of e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,17 @@ class EngineConfig:
     # Where the adapter paths callers send must lie (services/lora/paths.py); None:
     # anywhere the router accepted (a router takes none at run time without its own root).
     lora_root: str | None = None
+    # The KV cache's element type (kernels/kv_quant.py): auto, fp8 (= fp8_e4m3), fp8_e5m2.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.speculative is None:
             object.__setattr__(self, "speculative", SpecConfig())
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size!r}")
         if self.max_num_seqs < 1:
@@ -164,6 +171,13 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def torch_kv_dtype(self):
+        """What the KV cache stores: the model's dtype, or an fp8 one."""
+        from baton.kernels.kv_quant import cache_dtype
+
+        return cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def torch_device(self):

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    # K and V, every layer, every slot of the block.
+    # K and V, every layer, every slot of the block, as stored (`dtype`: the cache's).
     item = torch.empty((), dtype=dtype).element_size()
     return mc.num_layers * kv_layout.block_elements(mc.num_kv_heads, block_size,
                                                     mc.head_dim) * item
@@ -47,10 +47,11 @@ class ModelRunner:
         self.mc = model_config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_dtype  # the model's dtype, or fp8
         self.block_size = config.block_size
         self.backend = kernels.select_backend(
             self.device, config.attention_backend, block_size=config.block_size,
-            head_dim=model_config.head_dim, dtype=self.dtype)
+            head_dim=model_config.head_dim, dtype=self.dtype, kv_dtype=self.kv_dtype)
         cls = model_class(model_config.architecture)
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
@@ -82,7 +83,7 @@ class ModelRunner:
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks the memory budget holds."""
-        per_block = kv_bytes_per_block(self.mc, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.mc, self.block_size, self.kv_dtype)
         if self.device.type != "cuda":
             return int(self.config.kv_cache_gib * (1 << 30)) // per_block
         # GPU: run the largest batch once without a cache, and sample max_num_seqs rows
@@ -98,7 +99,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         one_block = kv_layout.shape(1, self.mc.num_kv_heads, self.block_size, self.mc.head_dim)
-        dummy = [torch.zeros(one_block, dtype=self.dtype, device=self.device)
+        dummy = [torch.zeros(one_block, dtype=self.kv_dtype, device=self.device)
                  for _ in range(self.mc.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = _single_prefill_meta(n, self.block_size, self.device)
@@ -131,12 +132,16 @@ class ModelRunner:
         # dim] (kernels/kv_layout.py).
         shape = kv_layout.shape(num_blocks, self.mc.num_kv_heads, self.block_size,
                                 self.mc.head_dim)
-        self.kv_caches = [_zeros(shape, self.dtype, self.device)
+        self.kv_caches = [_zeros(shape, self.kv_dtype, self.device)
                           for _ in range(self.mc.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks,
-                 self.block_size, num_blocks * self.block_size,
-                 num_blocks * kv_bytes_per_block(self.mc, self.block_size, self.dtype) / 2**30,
-                 self.dtype)
+                 self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30,
+                 self.kv_dtype)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's bytes as stored (1 per element for fp8)."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def maybe_capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -16,13 +16,14 @@ def layout_message(layout: KVLayout) -> wk.KvLayout:
     return wk.KvLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                        head_dim=layout.head_dim, fingerprint=layout.fingerprint,
-                       cache_layout=layout.cache_layout)
+                       cache_layout=layout.cache_layout, kv_scales=layout.kv_scales)
 
 
 def layout_from_message(msg: wk.KvLayout) -> KVLayout:
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
                     num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
-                    head_dim=msg.head_dim, cache_layout=msg.cache_layout)
+                    head_dim=msg.head_dim, cache_layout=msg.cache_layout,
+                    kv_scales=msg.kv_scales)
 
 
 def model_info_message(info: ModelInfo) -> gen.ModelInfo:

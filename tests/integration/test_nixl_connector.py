@@ -104,7 +104,7 @@ def _sender(layout: KVLayout):
         parent.close()
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=["bfloat16", "float32", "float8_e4m3fn"])
 def peer(request):
     with _sender(_layout(request.param)) as p:
         yield p

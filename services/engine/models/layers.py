@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kernels import cpu_ops, kv_layout, quant, torch_attn
+from baton.kernels import cpu_ops, kv_layout, kv_quant, quant, torch_attn
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig, Rope
@@ -181,6 +181,9 @@ class Attention(nn.Module):
                          if v is not None}
         self.packed: dict[str, Packed] = {}
         self.lora: LoraHook | None = None  # set where adapters are on
+        # An fp8 KV cache's per-tensor scales (vLLM's k_scale, v_scale): the checkpoint's
+        # where it has them (models/kv_scales.py), else 1.0. Unused by other caches.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata, backend: ModuleType):
         t = x.shape[0]
@@ -194,8 +197,10 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        fp8 = kv_quant.is_fp8(kv_cache.dtype)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if fp8 else {}
         ops = cpu_ops.serves("rope_and_cache", x.device) if backend is torch_attn else None
-        if ops is not None:
+        if ops is not None and not fp8:
             # One pass per token: q and k rotated in place, k and v into the cache.
             cos, sin = rope
             cpu_ops.rope_and_cache(qk, v, cos.squeeze(1), sin.squeeze(1),
@@ -205,8 +210,9 @@ class Attention(nn.Module):
         else:
             # q and k heads side by side: one RoPE pass for both.
             q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-            backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        o = backend.paged_attention(q, k, v, kv_cache, meta, self.scale, **self.features)
+            backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping, **scales)
+        o = backend.paged_attention(q, k, v, kv_cache, meta, self.scale, **self.features,
+                                    **scales)
         o = o.reshape(t, self.q_size)
         out = linear(o, self.o_weight, self.packed.get("o"), self.o_bias)
         return out if self.lora is None else self.lora("o", o, out)

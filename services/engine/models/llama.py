@@ -18,6 +18,7 @@ from baton.kernels import quant
 from baton.kernels.metadata import AttentionMetadata
 
 from ..model_config import ModelConfig
+from .kv_scales import kv_scale_of, set_kv_scale
 from .layers import (
     DecoderLayer,
     Packed,
@@ -114,6 +115,9 @@ class LlamaForCausalLM(nn.Module):
         rows: dict[str, int] = dict.fromkeys(params, 0)  # rows loaded per parameter
         for name, w in weights:
             if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
+                continue
+            if (kv_scale := kv_scale_of(name)) is not None:  # no parameter: a float
+                set_kv_scale(self.decoder_layers[kv_scale[0]].self_attn, kv_scale[1], name, w)
                 continue
             if name.startswith("model.layers."):
                 _, _, idx, rest = name.split(".", 3)
