@@ -9,13 +9,21 @@
 The GGUF formats are llama.cpp's blocks byte for byte, rows as the file holds them. In a
 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high one.
 
-`matmul(x, w)` is x @ W^T for x [M, K] in the model dtype: the CPU kernel
-(kernels/cpu/qmm.h: fp32 arithmetic on the dequantized weights, the weights read once per
-step) where it is built; with int8 weights, bf16/fp16 activations and M >= ACT_QUANT_ROWS
-rows, oneDNN's int8 matmul (torch._int_mm) on activations quantized per token (W8A8:
-held to the perplexity bound only, not to token equality); on a GPU, the Triton kernel
-(kernels/triton_quant.py); elsewhere (no build) the weights dequantized for the call,
-then F.linear.
+`matmul(x, w)` is x @ W^T for x [M, K] in the model dtype, by the first path that applies
+(the threshold from `python -m baton.tools.bench.quant`):
+
+    GPU                          the Triton kernel (kernels/triton_quant.py)
+    int8, bf16/fp16, M >= 16     oneDNN's int8 matmul (torch._int_mm, VNNI/AMX) on
+                                 activations quantized per token (W8A8)
+    GGUF, bf16/fp16, M >= 16     the weights dequantized to x's dtype (C++), then oneDNN
+    bf16/fp16, M < 16            the C++ kernel's integer path (kernels/cpu/qmm.h):
+                                 activations quantized per 32-column block, VNNI dot
+                                 products; its fp32 path on a build without VNNI
+    fp32                         the C++ kernel's fp32 path over the dequantized weights
+    no C++ build                 the weights dequantized in torch, then F.linear
+
+Only fp32 activations keep token equality with an fp32 run over the dequantized weights;
+the other paths are held to the perplexity bound.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ FORMATS = ("int8", *BLOCK_BYTES)
 KERNEL_FORMAT = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}  # qmm.h's `fmt`
 # From this many rows on, int8 weights with bf16/fp16 activations take oneDNN's int8
 # matmul (W8A8); below it the weight-only kernel, which reads the weights once and is
-# bound by that (python -m baton.tools.bench.kernels --quant).
+# bound by that (python -m baton.tools.bench.quant).
 ACT_QUANT_ROWS = 16
 
 
@@ -115,13 +123,21 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return triton_quant.qmm(x, w.data, w.scale, KERNEL_FORMAT[w.fmt],
                                 BLOCK_BYTES.get(w.fmt, BLOCK), w.n, w.k)
     ops = cpu_ops.serves("qmm", x.device)
+    if ops is not None and rows >= ACT_QUANT_ROWS and x.dtype != torch.float32:
+        # Many rows: the weights dequantized to x's dtype once, then oneDNN's matmul.
+        dense = x.new_empty(w.n, w.k)
+        ops.dequant(w.data, _scale(w), KERNEL_FORMAT[w.fmt], w.k, dense)
+        return F.linear(x, dense)
     if ops is not None and x.is_contiguous():
         out = x.new_empty(rows, w.n)
-        empty = w.data.new_empty(0, dtype=torch.float32)
-        ops.qmm(x, w.data, empty if w.scale is None else w.scale, KERNEL_FORMAT[w.fmt],
+        ops.qmm(x, w.data, _scale(w), KERNEL_FORMAT[w.fmt],
                 w.k, x.dtype != torch.float32 and rows < ACT_QUANT_ROWS, out)
         return out
     return F.linear(x, w.dequantize(x.dtype))
+
+
+def _scale(w: QuantWeight) -> torch.Tensor:
+    return w.scale if w.scale is not None else w.data.new_empty(0, dtype=torch.float32)
 
 
 def _w8a8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

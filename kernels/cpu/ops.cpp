@@ -201,6 +201,24 @@ void qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int
   });
 }
 
+void dequant(const at::Tensor& w, const at::Tensor& scales, int64_t fmt, int64_t k,
+             at::Tensor& out) {
+  TORCH_CHECK(fmt >= kInt8 && fmt <= kQ4_1 && (fmt == kInt8 || k % QBLOCK == 0) &&
+              w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 &&
+              w.size(1) == qrow_bytes(int(fmt), k), "dequant: weight rows do not match k");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(fmt != kInt8 || (scales.scalar_type() == at::kFloat && scales.numel() == N),
+              "dequant: int8 needs one fp32 scale per row");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == k,
+              "dequant: out must be [N, k]");
+  const float* sp = fmt == kInt8 ? scales.data_ptr<float>() : nullptr;
+  by_dtype(out.scalar_type(), "dequant", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dequant_rows<scalar_t>(static_cast<const uint8_t*>(w.data_ptr()), sp, int(fmt), k, N,
+                           out.data_ptr<scalar_t>());
+  });
+}
+
 }  // namespace baton
 
 // TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
@@ -219,6 +237,7 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
         "int first_seq, Tensor(a!) out, float scale, int window, float softcap) -> ()");
   m.def("qmm(Tensor x, Tensor w, Tensor scales, int fmt, int k, bool act_int8, "
         "Tensor(a!) out) -> ()");
+  m.def("dequant(Tensor w, Tensor scales, int fmt, int k, Tensor(a!) out) -> ()");
 }
 
 BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
@@ -228,4 +247,5 @@ BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
   m.impl("prefill", &baton::prefill);
   m.impl("rope_and_cache", &baton::rope_and_cache);
   m.impl("qmm", &baton::qmm);
+  m.impl("dequant", &baton::dequant);
 }

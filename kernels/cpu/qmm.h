@@ -306,4 +306,21 @@ void qmm_rows(const T* x, int64_t xs, int64_t M, const uint8_t* w, const float* 
   }
 }
 
+// Every row of W dequantized into out [N, K] (T): for many rows of x, a dense matmul
+// over these beats the fp32 tiles above, and reading W once more is cheap beside it.
+template <typename T>
+void dequant_rows(const uint8_t* w, const float* scales, int fmt, int64_t k, int64_t N,
+                  T* out) {
+  const int64_t kp = (k + W - 1) / W * W, rb = qrow_bytes(fmt, k);
+  at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
+    std::vector<float> row(size_t(kp), 0.f);
+    for (int64_t n = nb; n < ne; ++n) {
+      dequant_row(fmt, w + n * rb, scales ? scales[n] : 0.f, k, row.data());
+      int64_t j = 0;
+      for (; j + W <= k; j += W) store(out + n * k + j, load(row.data() + j));
+      for (; j < k; ++j) out[n * k + j] = T(row[size_t(j)]);
+    }
+  });
+}
+
 }  // namespace baton

@@ -11,7 +11,8 @@ import torch
 from .workloads import Workload
 
 # The CPU flags the bf16 matmul speed (and so every ratio) hinges on.
-MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "avx2")
+MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f",
+                "avx2")
 
 
 def machine_line(mc, dtype: torch.dtype) -> str:
