@@ -152,3 +152,16 @@ def test_gguf_quantization_needs_a_gguf_and_awq_is_refused(tmp_path, tokenizer):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_gib=0.01, quantization="gguf")
     with pytest.raises(ValueError, match="AWQ checkpoints are not served yet"):
         LLM(model=str(tmp_path), quantization="awq")
+
+
+def test_workers_of_other_weight_formats_do_not_pair(tmp_path, tokenizer):
+    """KV computed from int8 weights is not the KV of the dense ones: the layout
+    handshake refuses the pair, naming the model field."""
+    from baton.kv_transfer.base import IncompatibleLayout
+
+    build("llama", tmp_path, tokenizer)
+    kw = dict(model=str(tmp_path), dtype="float32", kv_cache_gib=0.01)
+    dense, kept = LLM(**kw).engine.kv_layout, LLM(**kw, quantization="int8").engine.kv_layout
+    dense.check_compatible(LLM(**kw).engine.kv_layout)
+    with pytest.raises(IncompatibleLayout, match=r"model: ours '.*\+int8'"):
+        kept.check_compatible(dense)
