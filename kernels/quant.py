@@ -146,5 +146,5 @@ def _w8a8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     xf = x.float()
     sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
     qx = torch.round(xf / sx).to(torch.int8)
-    acc = torch._int_mm(qx, w.data.t())  # the weight as [K, N]: a view, no copy
+    acc = torch.ops.aten._int_mm(qx, w.data.t())  # the weight as [K, N]: a view, no copy
     return (acc.float() * sx * w.scale).to(x.dtype)  # type: ignore[operator]

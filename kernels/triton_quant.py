@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 import triton
@@ -86,7 +87,9 @@ def qmm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, fmt: in
     scale = scale if scale is not None else out.new_empty(0, dtype=torch.float32)
     grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _qmm_kernel[grid](
+        # Triton types the tl.constexpr parameters `constexpr`; a launch passes plain values.
+        launch: Any = _qmm_kernel[grid]
+        launch(
             x, data, scale, out, x.shape[0], n, k, data.shape[1], x.stride(0),
             out.stride(0), FMT=fmt, BLOCK_BYTES=block_bytes, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

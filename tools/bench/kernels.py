@@ -138,7 +138,7 @@ def cases(repeat: int):
 
         def torch_path(q=q, cache=cache, meta=meta, out=out):
             without("decode", lambda: torch_attn._decode(q, cache, meta, HEAD_DIM**-0.5, out,
-                                                         None, None))
+                                                         None, None, None))
 
         label = f"decode, {rows} rows x {length} tokens" + (
             f", {shared} shared blocks" if shared else "")
@@ -155,7 +155,8 @@ def cases(repeat: int):
 
         def ptorch(q=q, k=k, v=v, cache=cache, meta=meta, out=out):
             without("prefill", lambda: torch_attn._prefill(q, k, v, cache, meta,
-                                                           HEAD_DIM**-0.5, out, None, None))
+                                                           HEAD_DIM**-0.5, out, None, None,
+                                                           None))
 
         flops = sum(4 * n * (c + (n + 1) / 2) * HEAD_DIM * HEADS for c, n in chunks)
         label = "prefill, (cached, new) " + " ".join(f"{c}+{n}" for c, n in chunks)

@@ -3,6 +3,7 @@
     python -m baton.tools.bench.offline [--workload w1] [--dtype bfloat16] [--json]
     python -m baton.tools.bench.offline --workload w2     # prefix caching off, then on
     python -m baton.tools.bench.offline --loras 0,1,4 --rank 16   # LoRA cost (lora.py)
+    python -m baton.tools.bench.offline --quantization none,int8,gguf   # Baton only
 
 Both run the same weights (Baton's loader feeds HF's LlamaForCausalLM too), greedy, with
 every request producing exactly its output length. HF runs static batches of 16,
@@ -70,6 +71,30 @@ def run_prefix_caching(args) -> None:
     if args.json:
         print(json.dumps({"workload": "W2", "dtype": args.dtype, "caching_off_tok_s": off,
                           "caching_on_tok_s": on, "ratio": on / off, "hit_rate": hit_rate}))
+
+
+def run_quantizations(args) -> None:
+    """The workload through Baton with each --quantization (none: the dtype's weights),
+    in alternating rounds, each keeping its best; ratios against the first."""
+    methods = args.quantization.split(",")
+    llms = {m: LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                   quantization=None if m == "none" else m) for m in methods}
+    first = llms[methods[0]]
+    wl = trim(make_workload(args.workload, first.engine.model_config.vocab_size), args.requests)
+    print(f"{wl.name}: {len(wl.prompts)} requests, {wl.output_len} output tokens each, "
+          f"{args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    print(machine_line(first.engine.model_config, getattr(torch, args.dtype)), flush=True)
+    best = dict.fromkeys(methods, 0.0)
+    for r in range(args.rounds):
+        for m, llm in llms.items():
+            tok_s = run_baton(llm, wl)
+            best[m] = max(best[m], tok_s)
+            print(f"round {r + 1}: {m:5} {tok_s:8.1f} output tok/s", flush=True)
+    for m in methods:
+        print(f"{m:5} {best[m]:8.1f} output tok/s (best of {args.rounds}), "
+              f"{best[m] / best[methods[0]]:.2f}x {methods[0]}", flush=True)
+    if args.json:
+        print(json.dumps({"workload": wl.name, "dtype": args.dtype, "tok_s": best}))
 
 
 def build_hf_model(model: str | None, dtype: torch.dtype):
@@ -142,6 +167,8 @@ def main() -> None:
                     help="LoRA cost instead of HF: requests round-robin over each count of "
                          "random adapters in turn, e.g. 0,1,4 (tools/bench/lora.py)")
     ap.add_argument("--rank", type=int, default=16, help="the --loras adapters' rank")
+    ap.add_argument("--quantization", default=None, metavar="METHODS",
+                    help="comma-separated (none, int8, gguf): Baton alone with each")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -160,6 +187,9 @@ def main() -> None:
         except ValueError as e:
             ap.error(str(e))
         run_loras(args)
+        return
+    if args.quantization is not None:
+        run_quantizations(args)
         return
     if args.workload.lower() == "w2":
         run_prefix_caching(args)
