@@ -8,6 +8,21 @@ from dataclasses import dataclass
 from ..lora.names import parse_lora_module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --quantization (services/engine/quantization.py), and vLLM's names Baton refuses, why.
+QUANTIZATIONS = ("int8", "gguf")
+QUANTIZATIONS_LATER = {
+    "awq": "AWQ checkpoints are not served yet (later: int8 and GGUF are)",
+    "gptq": "GPTQ checkpoints are not served yet (later: int8 and GGUF are)",
+}
+
+
+def check_quantization(method: str | None) -> None:
+    """Raise ValueError for a method Baton does not serve, naming why."""
+    if method is None or method in QUANTIZATIONS:
+        return
+    if method in QUANTIZATIONS_LATER:
+        raise ValueError(f"quantization {method!r}: {QUANTIZATIONS_LATER[method]}")
+    raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {method!r}")
 # vLLM's --kv-cache-dtype: "auto" stores the model's dtype; "fp8" is vLLM's alias of e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -116,8 +131,6 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        from .quantization import check as check_quantization
-
         check_quantization(self.quantization)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

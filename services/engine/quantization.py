@@ -24,26 +24,12 @@ from torch import nn
 
 from baton.kernels import quant
 
+from .config import check_quantization as check
 from .model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "gguf")
-# vLLM's names for what Baton does not serve yet, and why.
-LATER = {
-    "awq": "AWQ checkpoints are not served yet (later: int8 and GGUF are)",
-    "gptq": "GPTQ checkpoints are not served yet (later: int8 and GGUF are)",
-}
 _GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-
-
-def check(method: str | None) -> None:
-    """Raise ValueError for a method Baton does not serve, naming why."""
-    if method is None or method in METHODS:
-        return
-    if method in LATER:
-        raise ValueError(f"quantization {method!r}: {LATER[method]}")
-    raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
 
 
 def linears(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
