@@ -142,9 +142,19 @@ def _scale(w: QuantWeight) -> torch.Tensor:
 
 def _w8a8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Activations quantized per token (symmetric int8), oneDNN's int8 matmul, then both
-    scales: y[m, n] = (sum_k qx[m, k] qw[n, k]) * sx[m] * sw[n]."""
-    xf = x.float()
-    sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-    qx = torch.round(xf / sx).to(torch.int8)
-    acc = torch.ops.aten._int_mm(qx, w.data.t())  # the weight as [K, N]: a view, no copy
-    return (acc.float() * sx * w.scale).to(x.dtype)  # type: ignore[operator]
+    scales: y[m, n] = (sum_k qx[m, k] qw[n, k]) * sx[m] * sw[n]. The two passes around
+    the matmul are the C++ kernel's where it is built."""
+    ops = cpu_ops.serves("qmm", x.device)
+    if ops is None or not x.is_contiguous():
+        xf = x.float()
+        sx = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        qx = torch.round(xf / sx).to(torch.int8)
+        acc = torch.ops.aten._int_mm(qx, w.data.t())  # the weight as [K, N]: a view
+        return (acc.float() * sx * w.scale).to(x.dtype)  # type: ignore[operator]
+    qx = torch.empty(x.shape, dtype=torch.int8)
+    sx = torch.empty(x.shape[0], dtype=torch.float32)
+    ops.per_token(x, qx, sx)
+    acc = torch.ops.aten._int_mm(qx, w.data.t())
+    out = x.new_empty(x.shape[0], w.n)
+    ops.rescale(acc, sx, w.scale, out)
+    return out

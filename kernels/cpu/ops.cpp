@@ -219,6 +219,31 @@ void dequant(const at::Tensor& w, const at::Tensor& scales, int64_t fmt, int64_t
   });
 }
 
+void per_token(const at::Tensor& x, at::Tensor& q, at::Tensor& sx) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && q.is_contiguous() &&
+              q.scalar_type() == at::kChar && q.sizes() == x.sizes() &&
+              sx.scalar_type() == at::kFloat && sx.numel() == x.size(0),
+              "per_token: x [M, k], q int8 [M, k], sx fp32 [M]");
+  by_dtype(x.scalar_type(), "per_token", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    per_token_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0), x.size(1),
+                             q.data_ptr<int8_t>(), sx.data_ptr<float>());
+  });
+}
+
+void rescale(const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw,
+             at::Tensor& out) {
+  TORCH_CHECK(acc.is_contiguous() && acc.scalar_type() == at::kInt && out.is_contiguous() &&
+              out.sizes() == acc.sizes() && sx.numel() == acc.size(0) &&
+              sw.numel() == acc.size(1) && sx.scalar_type() == at::kFloat &&
+              sw.scalar_type() == at::kFloat, "rescale: acc int32 [M, N], sx [M], sw [N]");
+  by_dtype(out.scalar_type(), "rescale", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rescale_rows<scalar_t>(acc.data_ptr<int32_t>(), acc.size(0), acc.size(1),
+                           sx.data_ptr<float>(), sw.data_ptr<float>(), out.data_ptr<scalar_t>());
+  });
+}
+
 }  // namespace baton
 
 // TORCH_LIBRARY pastes its namespace argument: one macro level expands BATON_CPU_NS first.
@@ -238,6 +263,8 @@ BATON_LIBRARY(BATON_CPU_NS, m) {
   m.def("qmm(Tensor x, Tensor w, Tensor scales, int fmt, int k, bool act_int8, "
         "Tensor(a!) out) -> ()");
   m.def("dequant(Tensor w, Tensor scales, int fmt, int k, Tensor(a!) out) -> ()");
+  m.def("per_token(Tensor x, Tensor(a!) q, Tensor(b!) sx) -> ()");
+  m.def("rescale(Tensor acc, Tensor sx, Tensor sw, Tensor(a!) out) -> ()");
 }
 
 BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
@@ -248,4 +275,6 @@ BATON_LIBRARY_IMPL(BATON_CPU_NS, m) {
   m.impl("rope_and_cache", &baton::rope_and_cache);
   m.impl("qmm", &baton::qmm);
   m.impl("dequant", &baton::dequant);
+  m.impl("per_token", &baton::per_token);
+  m.impl("rescale", &baton::rescale);
 }

@@ -323,4 +323,31 @@ void dequant_rows(const uint8_t* w, const float* scales, int fmt, int64_t k, int
   });
 }
 
+// -- W8A8's two passes around oneDNN's int8 matmul (kernels/quant.py _w8a8):
+//   per_token:  qx = round(x / sx), sx = max|x| / 127 per row   (symmetric int8)
+//   rescale:    out = T(acc * sx[m] * sw[n])
+template <typename T>
+void per_token_rows(const T* x, int64_t xs, int64_t M, int64_t k, int8_t* q, float* sx) {
+  at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
+    for (int64_t m = mb; m < me; ++m) {
+      const T* row = x + m * xs;
+      float amax = 0.f;
+      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(float(row[j])));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < k; ++j) q[m * k + j] = int8_t(std::nearbyint(float(row[j]) * inv));
+      sx[m] = amax / 127.f;
+    }
+  });
+}
+
+template <typename T>
+void rescale_rows(const int32_t* acc, int64_t M, int64_t N, const float* sx, const float* sw,
+                  T* out) {
+  at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
+    for (int64_t m = mb; m < me; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        out[m * N + n] = T(float(acc[m * N + n]) * sx[m] * sw[n]);
+  });
+}
+
 }  // namespace baton

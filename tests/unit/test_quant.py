@@ -63,6 +63,9 @@ def test_w8a8_is_close_to_fp32_and_only_for_many_bf16_rows(monkeypatch):
     want = x @ w.dequantize().T
     got = quant._w8a8(x.bfloat16(), w).float()
     assert (got - want).norm() / want.norm() < 0.02
+    monkeypatch.setenv("BATON_CPU_KERNELS", "0")  # torch's passes around the int8 matmul
+    assert torch.equal(quant._w8a8(x.bfloat16(), w).float(), got)
+    monkeypatch.delenv("BATON_CPU_KERNELS")
     called = []
     monkeypatch.setattr(quant, "_w8a8", lambda x, w: called.append(x.shape[0]) or x[:, :1])
     quant.matmul(x.bfloat16(), w)
