@@ -305,6 +305,32 @@ class LLMEngine:
         return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0,
                 "evictions": self.pool.num_evictions}
 
+    # ---- scoring ----------------------------------------------------------------------
+
+    def prompt_logprobs(self, prompt: str | list[int], chunk_tokens: int | None = None):
+        """log p(token i | tokens before it) for every prompt token after the first, a
+        [len - 1] fp32 tensor (perplexity: exp(-mean)). The prompt runs through the paged
+        KV cache in chunks of `chunk_tokens` (default max_num_batched_tokens), in blocks
+        taken from the pool and freed after; nothing is cached. Between steps only."""
+        ids = self._tokenize(prompt)
+        if not 2 <= len(ids) <= self.max_model_len:
+            raise ValueError(f"scoring needs 2 to max_model_len {self.max_model_len} "
+                             f"tokens, got {len(ids)}")
+        if not all(0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError("a prompt token id is outside the vocabulary")
+        chunk = chunk_tokens or self.config.max_num_batched_tokens
+        if chunk < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk}")
+        need = -(-len(ids) // self.config.block_size)
+        if need > self.pool.num_free_blocks:
+            raise ValueError(f"{len(ids)} tokens need {need} KV blocks, "
+                             f"{self.pool.num_free_blocks} are free")
+        blocks = self.pool.get_new_blocks(need)
+        try:
+            return self.runner.prompt_logprobs(ids, [b.block_id for b in blocks], chunk)
+        finally:
+            self.pool.free_blocks(reversed(blocks))
+
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

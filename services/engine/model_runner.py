@@ -266,6 +266,36 @@ class ModelRunner:
         out = self.sampler(logits, rows)
         return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], block_ids: list[int],
+                        chunk: int) -> torch.Tensor:
+        """Teacher forcing: log p(token i | the tokens before it) for i >= 1, [len - 1]
+        fp32 on the host. The tokens run as a chunked prefill runs them, `chunk` at a
+        time, their K/V written to `block_ids` and read back from there by later chunks,
+        so the cache's dtype and the attention kernels show in the result."""
+        bs, dev = self.block_size, self.device
+        table = torch.tensor([block_ids], dtype=torch.int32)
+        if self.lora is not None:
+            self.lora.batch = None
+        out = []
+        n = len(token_ids) - 1  # the last token is only a target
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            q = end - start
+            pos = torch.arange(start, end)
+            slots = table[0, pos // bs].long() * bs + pos % bs
+            meta = AttentionMetadata(
+                slot_mapping=slots.to(dev), query_start_loc=to_device([0, q], torch.int32, dev),
+                seq_lens=to_device([end], torch.int32, dev), block_tables=table.to(dev),
+                num_decodes=int(q == 1), query_start_loc_cpu=[0, q], seq_lens_cpu=[end],
+                max_seq_len=end, max_query_len=q, decode_max_seq_len=end if q == 1 else 0)
+            ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
+            hidden = self.model(ids, pos.to(dev), self.kv_caches, meta)
+            logp = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+            targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long, device=dev)
+            out.append(logp.gather(1, targets[:, None])[:, 0].cpu())
+        return torch.cat(out) if out else torch.empty(0)
+
     def _lora_batch(self, seqs: list[tuple[Request, int, int]]) -> LoraBatch | None:
         """The step's adapters in their slots, and each token's slot (kernels/lora.py);
         None without any (the captured CUDA graphs, which hold no LoRA, may then run)."""
