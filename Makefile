@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
 .PHONY: install model test test-fast test-latest lock lint protos protos-check proto-release \
-	serve bench vllm bench-vllm clean
+	serve bench vllm bench-vllm llamacpp bench-llamacpp clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/worker/v1/worker.proto
 # The generated services' static calls (Generation.Generate(request, target), ...) use
 # grpc.experimental, which `import grpc` does not load: the stubs import it themselves.
@@ -141,6 +141,20 @@ vllm:
 
 bench-vllm: $(STAMP) $(MODEL)
 	$(BIN)/python -m baton.tools.bench.vs_vllm
+
+# llama.cpp (llama-cpp-python, with its OpenAI server) in a venv of its own, for
+# tools/bench/vs_llamacpp.py. Built from source for a portable x86-64 with AVX-512: a
+# native build (-march=native) crashed on prompts of more than one token on one machine.
+LLAMA_VENV := .cache/llama-venv
+LLAMA_CPP  := llama-cpp-python[server]==0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+llamacpp:
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMA_VENV)/bin/pip install \
+		-q --no-cache-dir --no-binary llama-cpp-python '$(LLAMA_CPP)'
+
+bench-llamacpp: $(STAMP) $(MODEL)
+	$(BIN)/python -m baton.tools.bench.vs_llamacpp
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
