@@ -4,6 +4,7 @@ and a workload cut short for quick checks."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -15,11 +16,8 @@ MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_vnni"
                 "avx2")
 
 
-def machine_line(mc, dtype: torch.dtype) -> str:
-    """The CPU, its matmul flags, and the best matmul GFLOP/s measured now at the model's
-    shapes: M = 64 (a decode batch) and M = 2048 (a prefill)."""
-    from .profile_step import roofline
-
+def cpu_line() -> str:
+    """The CPU's model name, its logical CPUs and its matmul flags."""
     name, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -33,8 +31,16 @@ def machine_line(mc, dtype: torch.dtype) -> str:
     except OSError:
         pass
     has = [f for f in MATMUL_FLAGS if f in flags] or ["none of " + " ".join(MATMUL_FLAGS)]
+    return f"cpu: {name} ({os.cpu_count()} logical CPUs); flags {' '.join(has)}"
+
+
+def machine_line(mc, dtype: torch.dtype) -> str:
+    """The CPU, its matmul flags, and the best matmul GFLOP/s measured now at the model's
+    shapes: M = 64 (a decode batch) and M = 2048 (a prefill)."""
+    from .profile_step import roofline
+
     dt = str(dtype).removeprefix("torch.")
-    return (f"cpu: {name}; flags {' '.join(has)}; {dt} matmul roofline "
+    return (f"{cpu_line()}; {dt} matmul roofline "
             f"{roofline(mc, dtype, 64):.0f} GFLOP/s at M=64, "
             f"{roofline(mc, dtype, 2048):.0f} at M=2048")
 
