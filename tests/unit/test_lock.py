@@ -24,6 +24,8 @@ UNDECLARED = {
     "flash_attn": "GPU only: kernels/flash.py serves where a flash-attn build for the "
                   "machine's CUDA is installed, else Triton does",
     "vllm": "scripts/vllm_bench.py runs in vLLM's own venv (make vllm), never in Baton's",
+    "llama_cpp": "scripts/llamacpp_bench.py runs in llama.cpp's own venv (make llamacpp), "
+                 "never in Baton's",
 }
 # The markers the locks are resolved for (scripts/lock.py PLATFORM).
 ENV = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux",

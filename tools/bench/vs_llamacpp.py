@@ -304,13 +304,14 @@ def serve_once(system: str, args: argparse.Namespace, prompts: list[str],
     from .serve import ENV
 
     http = free_port()
+    log = tempfile.TemporaryFile()  # the server's output, shown if it fails
     if system == "baton":
         grpc_address = f"127.0.0.1:{free_port()}"
-        proc = spawn("colocated", grpc_address, baton_serve_flags(args, http), env=ENV)
+        proc = spawn("colocated", grpc_address, baton_serve_flags(args, http), env=ENV,
+                     stdout=log, stderr=log)
     else:
         proc = subprocess.Popen(llama_server_cmd(args, http), cwd=tempfile.gettempdir(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+                                stdout=log, stderr=log, start_new_session=True)
     try:
         if system == "baton":
             wait_healthy(grpc_address, proc, SERVER_START_S)
@@ -319,8 +320,14 @@ def serve_once(system: str, args: argparse.Namespace, prompts: list[str],
         asyncio.run(load(system, base, model, prompts[:1], 4, 1))  # warm-up
         tokens, seconds, short = asyncio.run(load(system, base, model, prompts, output_len,
                                                   args.concurrency))
+    except BaseException:
+        log.seek(0)
+        print(f"{system} server output:\n{log.read()[-4000:].decode(errors='replace')}",
+              file=sys.stderr)
+        raise
     finally:
         stop_all([proc])
+        log.close()
     note = f" ({short} requests ended short of {output_len} tokens)" if short else ""
     print(f"W1 {system:9s} {tokens / seconds:7.1f} output tok/s ({tokens} tokens in "
           f"{seconds:.1f} s){note}", flush=True)
