@@ -93,3 +93,16 @@ def test_quantization_and_kv_dtype_reach_the_engine_only_when_given():
 def test_a_chunk_below_one_is_refused():
     with pytest.raises(SystemExit):
         parse_args(["--chunk", "0"])
+
+
+def test_an_fp8_cache_shows_in_the_scores(make_llm, tiny_model, scored):
+    """Attention reads its context back from the cache: stored in fp8, it moves the
+    scores of the chunks that read it (the perplexity a little)."""
+    _, ids, want = scored
+    llm = make_llm(model=str(tiny_model), dtype="float32", kv_cache_dtype="fp8_e4m3",
+                   kv_cache_gib=0.05)
+    got = llm.engine.prompt_logprobs(ids[:600], chunk_tokens=256)
+    later = (got[256:] - want[256:599]).abs()
+    assert later.max() > 1e-3, "the second chunk read nothing from the fp8 cache"
+    assert abs(perplexity(got) / perplexity(want[:599]) - 1) < 0.05
+    llm.engine.pool.check_all_free()
