@@ -104,8 +104,9 @@ FLAGS: list[Flag] = [
        "dummy: random weights of the model's shapes, for benchmarks",
        choices=("auto", "dummy")),
     _f("quantization", WORKERS, "engine.quantization",
-       "keep weights quantized: int8 (per channel, from any checkpoint) or gguf (a GGUF's "
-       "Q4_0/Q4_1/Q8_0 as they are); default: the model dtype", optional=True),
+       "keep weights quantized: int8 (per channel, from any checkpoint; weight-only), w8a8 "
+       "(the same, activations quantized too) or gguf (a GGUF's Q4_0/Q4_1/Q8_0 as they "
+       "are); default: the model dtype", optional=True),
     _f("seed", WORKERS, "engine.seed", "the sampler's seed for unseeded requests", kind=int),
     _f("kv-lease-timeout", ("prefill",), "engine.kv_lease_timeout_s",
        "prefill: seconds a handed-off request's blocks stay held for its decode worker",

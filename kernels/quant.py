@@ -13,17 +13,18 @@ The GGUF formats are llama.cpp's blocks byte for byte, rows as the file holds th
 (the threshold from `python -m baton.tools.bench.quant`):
 
     GPU                          the Triton kernel (kernels/triton_quant.py)
-    int8, bf16/fp16, M >= 16     oneDNN's int8 matmul (torch._int_mm, VNNI/AMX) on
-                                 activations quantized per token (W8A8)
-    GGUF, bf16/fp16, M >= 16     the weights dequantized to x's dtype (C++), then oneDNN
-    bf16/fp16, M < 16            the C++ kernel's integer path (kernels/cpu/qmm.h):
+    w8a8, bf16/fp16, M >= 16     oneDNN's int8 matmul (torch._int_mm, VNNI/AMX) on
+                                 activations quantized per token
+    bf16/fp16, M >= 16           the weights dequantized to x's dtype (C++), then oneDNN
+    w8a8/gguf, bf16/fp16, M < 16  the C++ kernel's integer path (kernels/cpu/qmm.h):
                                  activations quantized per 32-column block, VNNI dot
-                                 products; its fp32 path on a build without VNNI
-    fp32                         the C++ kernel's fp32 path over the dequantized weights
+                                 products (its fp32 path on a build without VNNI)
+    otherwise                    the C++ kernel's fp32 path over the dequantized weights
     no C++ build                 the weights dequantized in torch, then F.linear
 
-Only fp32 activations keep token equality with an fp32 run over the dequantized weights;
-the other paths are held to the perplexity bound.
+`int8` is weight-only: its activations are never quantized. Only fp32 activations keep
+token equality with an fp32 run over the dequantized weights; the other paths are held
+to the perplexity bound.
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ ACT_QUANT_ROWS = 16
 @dataclass
 class QuantWeight:
     """One linear's weight [n, k] in `fmt`: `data` holds the rows (int8 [n, k] for int8,
-    else uint8 [n, k / 32 * block bytes]); `scale` the int8 rows' fp32 scales."""
+    else uint8 [n, k / 32 * block bytes]); `scale` the int8 rows' fp32 scales;
+    `act_int8` whether activations may meet it quantized (--quantization w8a8, gguf)."""
 
     fmt: str
     n: int
     k: int
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    # May bf16/fp16 activations be quantized to int8 for it (the integer paths below)?
+    act_int8: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -67,19 +71,20 @@ class QuantWeight:
         return dequantize_rows(self, None).to(dtype)
 
 
-def quantize_int8(w: torch.Tensor) -> QuantWeight:
+def quantize_int8(w: torch.Tensor, act_int8: bool = False) -> QuantWeight:
     """Per-output-channel symmetric int8: s = max|row| / 127, q = round(w / s)."""
     wf = w.detach().float()
     scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return QuantWeight("int8", w.shape[0], w.shape[1], q.contiguous(), scale.contiguous())
+    return QuantWeight("int8", w.shape[0], w.shape[1], q.contiguous(), scale.contiguous(),
+                       act_int8)
 
 
-def from_gguf(fmt: str, rows: torch.Tensor, k: int) -> QuantWeight:
+def from_gguf(fmt: str, rows: torch.Tensor, k: int, act_int8: bool = False) -> QuantWeight:
     """The raw rows of a GGUF tensor (uint8 [n, k / 32 * block bytes]) as they are."""
     if k % BLOCK or rows.shape[1] != k // BLOCK * BLOCK_BYTES[fmt]:
         raise ValueError(f"{fmt}: rows of {rows.shape[1]} bytes do not hold {k} weights")
-    return QuantWeight(fmt, rows.shape[0], k, rows.contiguous())
+    return QuantWeight(fmt, rows.shape[0], k, rows.contiguous(), None, act_int8)
 
 
 def concat(parts: list[QuantWeight]) -> QuantWeight:
@@ -89,7 +94,8 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
         raise ValueError("fused parts differ in format or width")
     scale = None if fmt != "int8" else torch.cat([p.scale for p in parts])  # type: ignore
     return QuantWeight(fmt, sum(p.n for p in parts), k,
-                       torch.cat([p.data for p in parts]).contiguous(), scale)
+                       torch.cat([p.data for p in parts]).contiguous(), scale,
+                       all(p.act_int8 for p in parts))
 
 
 def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
@@ -112,10 +118,11 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype."""
+    """x [M, K] @ W^T -> [M, N] in x's dtype. Activations are quantized only for a weight
+    whose `act_int8` says they may be, and never in fp32."""
     rows = x.shape[0]
-    if (w.fmt == "int8" and rows >= ACT_QUANT_ROWS and x.dtype != torch.float32
-            and x.device.type == "cpu"):
+    act_int8 = w.act_int8 and x.dtype != torch.float32
+    if act_int8 and w.fmt == "int8" and rows >= ACT_QUANT_ROWS and x.device.type == "cpu":
         return _w8a8(x, w)
     if x.device.type == "cuda":
         from . import triton_quant
@@ -130,8 +137,8 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return F.linear(x, dense)
     if ops is not None and x.is_contiguous():
         out = x.new_empty(rows, w.n)
-        ops.qmm(x, w.data, _scale(w), KERNEL_FORMAT[w.fmt],
-                w.k, x.dtype != torch.float32 and rows < ACT_QUANT_ROWS, out)
+        ops.qmm(x, w.data, _scale(w), KERNEL_FORMAT[w.fmt], w.k,
+                act_int8 and rows < ACT_QUANT_ROWS, out)
         return out
     return F.linear(x, w.dequantize(x.dtype))
 

@@ -9,10 +9,10 @@ from ..lora.names import parse_lora_module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --quantization (services/engine/quantization.py), and vLLM's names Baton refuses, why.
-QUANTIZATIONS = ("int8", "gguf")
+QUANTIZATIONS = ("int8", "w8a8", "gguf")
 QUANTIZATIONS_LATER = {
-    "awq": "AWQ checkpoints are not served yet (later: int8 and GGUF are)",
-    "gptq": "GPTQ checkpoints are not served yet (later: int8 and GGUF are)",
+    "awq": "AWQ checkpoints are not served yet (later: int8, w8a8 and GGUF are)",
+    "gptq": "GPTQ checkpoints are not served yet (later: int8, w8a8 and GGUF are)",
 }
 
 

@@ -2,7 +2,10 @@
 
     None   every weight in the model dtype (a GGUF is dequantized at load)
     int8   every linear weight (the LM head included) int8 per output channel, its scales
-           computed at load from the loaded weights (any bf16/fp32 checkpoint, or a GGUF)
+           computed at load from the loaded weights (any bf16/fp32 checkpoint, or a GGUF);
+           weight-only: activations stay in the model dtype
+    w8a8   the same weights, bf16/fp16 activations quantized to int8 as they meet them
+           (per token for oneDNN's int8 matmul, per 32 columns for the integer kernel)
     gguf   a GGUF's Q4_0, Q4_1 and Q8_0 weights as the file holds them (the token
            embedding too, which a tied LM head shares); a linear whose parts are of another
            type stays in the model dtype
@@ -70,10 +73,11 @@ def apply(model: nn.Module, method: str | None, checkpoint: Path) -> None:
     check(method)
     if method is None:
         return
-    if method == "int8":
+    if method in ("int8", "w8a8"):
         with torch.no_grad():
             for key, (module, name) in linears(model).items():
-                _install(model, key, quant.quantize_int8(_dense(module, name)))
+                _install(model, key, quant.quantize_int8(_dense(module, name),
+                                                         act_int8=method == "w8a8"))
         head = model.lm_head_packed  # type: ignore[attr-defined]
     else:
         if checkpoint.suffix != ".gguf":
@@ -136,8 +140,9 @@ def gguf_weights(path: Path, c: ModelConfig
         if permuted and m and m.group(2) in ("attn_q", "attn_k"):
             rows = _unpermute_rope(rows, c.num_heads if m.group(2) == "attn_q"
                                    else c.num_kv_heads)
+        # Activations may meet GGUF weights quantized per block, as llama.cpp's do.
         parts[name] = quant.from_gguf(fmt, torch.from_numpy(np.ascontiguousarray(rows)),
-                                      int(t.shape[0]))
+                                      int(t.shape[0]), act_int8=True)
     fused = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
              "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
     out: dict[str, quant.QuantWeight] = {}

@@ -58,7 +58,7 @@ def test_the_torch_path_multiplies_by_the_dequantized_weights(fmt, monkeypatch):
 
 def test_w8a8_is_close_to_fp32_and_only_for_many_bf16_rows(monkeypatch):
     g = torch.Generator().manual_seed(1)
-    w = quant.quantize_int8(torch.randn(48, 128, generator=g))
+    w = quant.quantize_int8(torch.randn(48, 128, generator=g), act_int8=True)
     x = torch.randn(quant.ACT_QUANT_ROWS, 128, generator=g)
     want = x @ w.dequantize().T
     got = quant._w8a8(x.bfloat16(), w).float()
@@ -71,6 +71,7 @@ def test_w8a8_is_close_to_fp32_and_only_for_many_bf16_rows(monkeypatch):
     quant.matmul(x.bfloat16(), w)
     quant.matmul(x[:-1].bfloat16(), w)  # one row fewer: weight-only
     quant.matmul(x, w)  # fp32 activations: weight-only, whatever the rows
+    quant.matmul(x.bfloat16(), quant.quantize_int8(w.dequantize()))  # int8: weight-only
     assert called == [quant.ACT_QUANT_ROWS]
 
 
