@@ -16,7 +16,7 @@ The GGUF formats are llama.cpp's blocks byte for byte, rows as the file holds th
     w8a8, bf16/fp16, M >= 16     oneDNN's int8 matmul (torch._int_mm, VNNI/AMX) on
                                  activations quantized per token
     bf16/fp16, M >= 16           the weights dequantized to x's dtype (C++), then oneDNN
-    w8a8/gguf, bf16/fp16, M < 16  the C++ kernel's integer path (kernels/cpu/qmm.h):
+    w8a8/gguf, bf16/fp16, M < 4  the C++ kernel's integer path (kernels/cpu/qmm.h):
                                  activations quantized per 32-column block, VNNI dot
                                  products (its fp32 path on a build without VNNI)
     otherwise                    the C++ kernel's fp32 path over the dequantized weights
@@ -45,6 +45,9 @@ KERNEL_FORMAT = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}  # qmm.h's `fmt`
 # matmul (W8A8); below it the weight-only kernel, which reads the weights once and is
 # bound by that (python -m baton.tools.bench.quant).
 ACT_QUANT_ROWS = 16
+# Below this many rows the integer path (activations per 32 columns, VNNI) beats the fp32
+# one: it does not share a weight's unpacking between rows (tools/bench/quant.py).
+INTEGER_ROWS = 4
 
 
 @dataclass
@@ -138,7 +141,7 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if ops is not None and x.is_contiguous():
         out = x.new_empty(rows, w.n)
         ops.qmm(x, w.data, _scale(w), KERNEL_FORMAT[w.fmt], w.k,
-                act_int8 and rows < ACT_QUANT_ROWS, out)
+                act_int8 and rows < INTEGER_ROWS, out)
         return out
     return F.linear(x, w.dequantize(x.dtype))
 

@@ -267,6 +267,32 @@ void qmm_int8_acts(const T* x, int64_t xs, int64_t M, const uint8_t* w, const fl
 }
 #endif
 
+// int8 rows, few rows of x: the row's scale factored out of its sum, so each weight is
+// widened and multiplied once, with no scratch copy: out = s_n * sum_j x_j q_nj.
+inline void int8_dots(const float* xf, int64_t M, int64_t kp, const uint8_t* w, int64_t k,
+                      const float* scales, int64_t N, float* acc_out) {
+  at::parallel_for(0, (N + QR - 1) / QR, 4, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t n0 = t * QR, rows = std::min<int64_t>(QR, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = xf + m * kp;
+        vf acc[QR] = {};
+        int64_t j = 0;
+        for (; j + W <= k; j += W) {
+          const vf xv = load(xm + j);
+          for (int r = 0; r < QR; ++r)
+            if (r < rows) acc[r] += xv * bytes_signed(w + (n0 + r) * k + j);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float total = sum(acc[r]);
+          for (int64_t jj = j; jj < k; ++jj) total += xm[jj] * float(int8_t(w[(n0 + r) * k + jj]));
+          acc_out[m * N + n0 + r] = total * scales[n0 + r];
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void qmm_rows(const T* x, int64_t xs, int64_t M, const uint8_t* w, const float* scales,
               int fmt, int64_t k, int64_t N, T* out) {
@@ -276,6 +302,12 @@ void qmm_rows(const T* x, int64_t xs, int64_t M, const uint8_t* w, const float* 
     for (int64_t i = begin; i < end; ++i)
       for (int64_t j = 0; j < k; ++j) xf[size_t(i * kp + j)] = float(x[i * xs + j]);
   });
+  if (fmt == kInt8 && M < 16) {
+    std::vector<float> acc(size_t(M * N));
+    int8_dots(xf.data(), M, kp, w, k, scales, N, acc.data());
+    for (int64_t i = 0; i < M * N; ++i) out[i] = T(acc[size_t(i)]);
+    return;
+  }
   const int64_t tiles = (N + QR - 1) / QR;
   for (int64_t m0 = 0; m0 < M; m0 += QMB) {
     const int64_t mend = std::min(M, m0 + QMB);
