@@ -146,8 +146,11 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
+_NO_SCALE = torch.empty(0, dtype=torch.float32)  # the C++ ops' scales of a GGUF weight
+
+
 def _scale(w: QuantWeight) -> torch.Tensor:
-    return w.scale if w.scale is not None else w.data.new_empty(0, dtype=torch.float32)
+    return w.scale if w.scale is not None else _NO_SCALE
 
 
 def _w8a8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
