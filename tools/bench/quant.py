@@ -3,6 +3,8 @@ default model's linear shapes and M rows of x: where each wins sets quant.ACT_QU
 
     python -m baton.tools.bench.quant [--rows 1,4,8,16,32,64] [--layers 30] [--repeat 5]
 
+Also torch's own weight-only kernels where a format fits them (_weight_int8pack_mm,
+_weight_int4pack_mm_for_cpu), which the issue asks to use where they measure faster.
 The weights of `layers` layers (SmolLM2-135M: qkv, o, gate_up, down) are multiplied in
 turn, so they are read from memory as a decode step reads them, not from a cache that
 holds one matrix. Prints ms per pass over every layer, per format and path, with the CPU
@@ -68,6 +70,27 @@ def paths(fmt: str, ops):
     found = {"integer": kernel(True), "fp32": kernel(False), "dequant+oneDNN": dequant}
     if fmt == "int8":
         found["W8A8 oneDNN"] = quant._w8a8
+    # torch's own weight-only kernels, for the formats they can hold: their operands are
+    # made once per weight (the timing is what matters here, not the rounding of scales).
+    packed: dict[int, tuple] = {}
+    if fmt == "int8":
+        def int8pack(x, w):
+            if id(w) not in packed:
+                packed[id(w)] = (w.data, w.scale.to(x.dtype))
+            q, scale = packed[id(w)]
+            return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+        found["torch int8pack"] = int8pack
+    if fmt in ("q4_0", "q4_1"):
+        def int4pack(x, w):
+            if id(w) not in packed:
+                nib = w.data.view(w.n, -1, quant.BLOCK_BYTES[w.fmt])[..., -quant.BLOCK // 2:]
+                q = torch.cat([nib & 15, nib >> 4], dim=-1).reshape(w.n, w.k).int()
+                pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                sz = torch.ones(w.k // quant.BLOCK, w.n, 2, dtype=x.dtype)
+                packed[id(w)] = (pack, sz)
+            pack, sz = packed[id(w)]
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack, quant.BLOCK, sz)
+        found["torch int4pack"] = int4pack
     return found
 
 
