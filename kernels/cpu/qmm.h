@@ -219,48 +219,36 @@ void qmm_int8_acts(const T* x, int64_t xs, int64_t M, const uint8_t* w, const fl
   const QActs acts = quantize_acts(x, xs, M, k);
   const int64_t bp = acts.blocks;
   // Eight blocks at a time: their integer dots, summed to one lane each, are scaled by
-  // one vector multiply-add, and their a and c come in one fp16 conversion. R rows at a
-  // time would share the activations' loads: 1 measured fastest (2 spill registers).
-  constexpr int R = 1;
-  at::parallel_for(0, (N + R - 1) / R, 2, [&](int64_t tb, int64_t te) {
-    for (int64_t t = tb; t < te; ++t) {
-      const int64_t n0 = t * R, rows = std::min<int64_t>(R, N - n0);
-      const uint8_t* row[R];
-      for (int r = 0; r < R; ++r) row[r] = w + (n0 + std::min<int64_t>(r, rows - 1)) * rb;
+  // one vector multiply-add, and their a and c come in one fp16 conversion. One row at a
+  // time: two sharing the activations' loads measured slower (registers spill).
+  at::parallel_for(0, N, 2, [&](int64_t nb, int64_t ne) {
+    for (int64_t n = nb; n < ne; ++n) {
+      const uint8_t* row = w + n * rb;
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* qx = acts.q.data() + m * bp * QBLOCK;
-        __m256 acc[R], off[R];
-        for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+        __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
         for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-          __m256i dots[R][8];
+          __m256i dots[8];
           for (int i = 0; i < 8; ++i) {
             const int64_t b = b0 + i;
-            if (b >= blocks) {
-              for (int r = 0; r < R; ++r) dots[r][i] = _mm256_setzero_si256();
-              continue;
-            }
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * QBLOCK));
-            for (int r = 0; r < R; ++r)
-              dots[r][i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                               unsigned_block(fmt, row[r], b), q);
+            dots[i] = b < blocks
+                ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_block(fmt, row, b),
+                                      _mm256_loadu_si256(
+                                          reinterpret_cast<const __m256i*>(qx + b * QBLOCK)))
+                : _mm256_setzero_si256();
           }
+          __m256 a, c;
+          block_coefs(fmt, row, b0, blocks, a, c);
           const __m256 sx = _mm256_loadu_ps(acts.s.data() + m * bp + b0);
           const __m256 cs = _mm256_loadu_ps(acts.cs.data() + m * bp + b0);
-          for (int r = 0; r < R; ++r) {
-            __m256 a, c;
-            block_coefs(fmt, row[r], b0, blocks, a, c);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8(dots[r])), _mm256_mul_ps(a, sx),
-                                     acc[r]);
-            off[r] = _mm256_fmadd_ps(c, cs, off[r]);
-          }
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8(dots)), _mm256_mul_ps(a, sx), acc);
+          off = _mm256_fmadd_ps(c, cs, off);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          float lanes[8];
-          _mm256_storeu_ps(lanes, _mm256_add_ps(acc[r], off[r]));
-          float total = 0.f;
-          for (float l : lanes) total += l;
-          out[m * N + n0 + r] = T(scales ? total * scales[n0 + r] : total);
-        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc, off));
+        float total = 0.f;
+        for (float l : lanes) total += l;
+        out[m * N + n] = T(scales ? total * scales[n] : total);
       }
     }
   });

@@ -24,7 +24,7 @@ _GGUF_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -38,7 +38,7 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # Gemma's sandwich norms: its ffn_norm is the norm before the MLP, not after attention.
-_GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+_GGUF_GEMMA_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
 
@@ -80,6 +80,14 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def gguf_row_order(part: str, rows: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """A GGUF tensor's rows (dequantized or raw blocks) in HF's order: only llama.cpp's
+    "llama" layout permutes q/k rows (qwen's does not)."""
+    if c.family in ("llama", "mistral") and part in ("attn_q", "attn_k"):
+        return _unpermute_rope(rows, c.num_heads if part == "attn_q" else c.num_kv_heads)
+    return rows
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """The config and HF-named fp32 weights of a GGUF file: from its converted copy
     (gguf_cache.py) when there is one, else dequantized now and the copy written."""
@@ -94,9 +102,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     meta = _gguf_meta(reader)
     config = ModelConfig.from_gguf(meta, has_output)
-    permuted = config.family in ("llama", "mistral")
     gemma = config.family.startswith("gemma")
-    layer_names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
+    layer_names = _GGUF_GEMMA_NAMES if gemma else GGUF_LAYER_NAMES
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -104,11 +111,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
             m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
             if m:
                 layer, part, kind = m.groups()
-                # Only llama.cpp's "llama" layout permutes q/k rows (qwen's does not).
-                if part == "attn_q" and kind == "weight" and permuted:
-                    w = _unpermute_rope(w, config.num_heads)
-                elif part == "attn_k" and kind == "weight" and permuted:
-                    w = _unpermute_rope(w, config.num_kv_heads)
+                if kind == "weight":
+                    w = gguf_row_order(part, w, config)
                 name = f"model.layers.{layer}.{layer_names[part]}.{kind}"
             elif t.name in _GGUF_NAMES:
                 name = _GGUF_NAMES[t.name]

@@ -27,7 +27,6 @@ from torch import nn
 
 from baton.kernels import quant
 
-from .config import check_quantization as check
 from .model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -52,12 +51,11 @@ def _dense(module: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, "lm_head" if name == "lm_head" else f"{name}_weight")
 
 
-def _install(model: nn.Module, key: str, w: quant.QuantWeight) -> None:
-    """Serve linear `key` from `w` and free its dense weight."""
-    module, name = linears(model)[key]
+def _install(model: nn.Module, module: nn.Module, name: str, w: quant.QuantWeight) -> None:
+    """Serve linear `name` of `module` from `w` and free its dense weight."""
     dense = _dense(module, name)
     if (w.n, w.k) != tuple(dense.shape):
-        raise ValueError(f"{key}: quantized {(w.n, w.k)} != {tuple(dense.shape)}")
+        raise ValueError(f"{name}: quantized {(w.n, w.k)} != {tuple(dense.shape)}")
     w.data, w.scale = w.data.to(dense.device), None if w.scale is None else w.scale.to(
         dense.device)
     if name == "lm_head":
@@ -69,22 +67,23 @@ def _install(model: nn.Module, key: str, w: quant.QuantWeight) -> None:
 
 
 def apply(model: nn.Module, method: str | None, checkpoint: Path) -> None:
-    """Quantize `model`'s linears as `method` says; call after load_weights."""
-    check(method)
+    """Quantize `model`'s linears as `method` (EngineConfig checked it) says; call after
+    load_weights."""
     if method is None:
         return
+    every = linears(model)
     if method in ("int8", "w8a8"):
         with torch.no_grad():
-            for key, (module, name) in linears(model).items():
-                _install(model, key, quant.quantize_int8(_dense(module, name),
-                                                         act_int8=method == "w8a8"))
+            for module, name in every.values():
+                _install(model, module, name, quant.quantize_int8(
+                    _dense(module, name), act_int8=method == "w8a8"))
         head = model.lm_head_packed  # type: ignore[attr-defined]
     else:
         if checkpoint.suffix != ".gguf":
             raise ValueError(f"quantization 'gguf' needs a .gguf checkpoint, not {checkpoint}")
         found, embed = gguf_weights(checkpoint, model.config)  # type: ignore[arg-type]
         for key, w in found.items():
-            _install(model, key, w)
+            _install(model, *every[key], w)
         head = embed
     # The embedding: rows dequantized as they are looked up, when its bytes are kept
     # quantized (a tied head's int8 copy, or the GGUF's own token embedding).
@@ -115,49 +114,43 @@ def stored_bytes(model: nn.Module) -> int:
 def gguf_weights(path: Path, c: ModelConfig
                  ) -> tuple[dict[str, quant.QuantWeight], quant.QuantWeight | None]:
     """The linears of a GGUF whose every part is Q4_0, Q4_1 or Q8_0 (q/k/v and gate/up
-    fused, q/k rows un-permuted as the loader does), and its token embedding if quantized."""
+    fused as the model fuses them, rows in HF's order as the loader puts them), and its
+    token embedding if quantized."""
     from gguf import GGUFReader
 
-    from .loader import _unpermute_rope
+    from .loader import GGUF_LAYER_NAMES, gguf_row_order
+    from .models.llama import FUSED
 
-    reader = GGUFReader(str(path))
-    permuted = c.family in ("llama", "mistral")
-    parts: dict[str, quant.QuantWeight | None] = {}
+    # key ("layers.3.qkv", "lm_head", "embed") -> its parts in row order (None: a part of
+    # a type not served quantized).
+    parts: dict[str, dict[int, quant.QuantWeight | None]] = {}
     seen: Counter[str] = Counter()
-    for t in reader.tensors:
-        fmt = _GGUF_TYPES.get(t.tensor_type.name)
-        m = re.fullmatch(r"blk\.(\d+)\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)"
-                         r"\.weight", t.name)
-        name = f"{m.group(1)}.{m.group(2)}" if m else {
-            "output.weight": "output", "token_embd.weight": "embed"}.get(t.name)
-        if name is None:
+    for t in GGUFReader(str(path)).tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        if m:
+            fused = FUSED.get(GGUF_LAYER_NAMES.get(m.group(2), ""))
+            if fused is None:
+                continue  # a norm
+            key, index = f"layers.{m.group(1)}.{fused[0].split('.')[1]}", fused[1]
+        elif t.name in ("output.weight", "token_embd.weight"):
+            key, index = ("lm_head" if t.name == "output.weight" else "embed"), 0
+        else:
             continue
         seen[t.tensor_type.name] += 1
-        if fmt is None:
-            parts[name] = None
-            continue
-        rows = np.array(t.data)
-        if permuted and m and m.group(2) in ("attn_q", "attn_k"):
-            rows = _unpermute_rope(rows, c.num_heads if m.group(2) == "attn_q"
-                                   else c.num_kv_heads)
+        fmt = _GGUF_TYPES.get(t.tensor_type.name)
+        rows = gguf_row_order(m.group(2), np.array(t.data), c) if m and fmt else None
         # Activations may meet GGUF weights quantized per block, as llama.cpp's do.
-        parts[name] = quant.from_gguf(fmt, torch.from_numpy(np.ascontiguousarray(rows)),
-                                      int(t.shape[0]), act_int8=True)
-    fused = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
-             "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+        parts.setdefault(key, {})[index] = None if fmt is None else quant.from_gguf(
+            fmt, torch.from_numpy(np.ascontiguousarray(rows if m else t.data)),
+            int(t.shape[0]), act_int8=True)
     out: dict[str, quant.QuantWeight] = {}
-    for i in range(c.num_layers):
-        for key, names in fused.items():
-            got = [parts.get(f"{i}.{n}") for n in names]
-            if all(g is not None for g in got) and len({g.fmt for g in got}) == 1:  # type: ignore
-                out[f"layers.{i}.{key}"] = quant.concat(got)  # type: ignore[arg-type]
-    embed = parts.get("embed")
-    head = parts.get("output") if "output" in parts else (
-        embed if c.tie_word_embeddings else None)
-    if head is not None:
-        out["lm_head"] = head
-    dense = 4 * c.num_layers + 1 - len(out)
+    for key, got in parts.items():
+        ws = [got[i] for i in sorted(got)]
+        if all(w is not None for w in ws) and len({w.fmt for w in ws}) == 1:  # type: ignore
+            out[key] = quant.concat(ws)  # type: ignore[arg-type]
+    embed = out.pop("embed", None)
+    if "lm_head" not in parts and embed is not None and c.tie_word_embeddings:
+        out["lm_head"] = embed
     log.info("GGUF %s: tensor types %s; %d linears kept quantized, %d dequantized",
-             path.name, dict(seen), len(out), dense)
+             path.name, dict(seen), len(out), 4 * c.num_layers + 1 - len(out))
     return out, embed
-

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baton.kernels import quant
-from baton.services.engine import quantization
+from baton.services.engine.config import check_quantization
 
 
 def _gguf_rows(fmt: str, n: int, k: int, seed: int = 0) -> tuple[quant.QuantWeight, torch.Tensor]:
@@ -76,10 +76,10 @@ def test_w8a8_is_close_to_fp32_and_only_for_many_bf16_rows(monkeypatch):
 
 
 def test_methods_served_later_are_refused_by_name():
-    quantization.check(None)
-    quantization.check("int8")
+    check_quantization(None)
+    check_quantization("int8")
     for method in ("awq", "gptq"):
         with pytest.raises(ValueError, match=f"{method.upper()} checkpoints are not served"):
-            quantization.check(method)
+            check_quantization(method)
     with pytest.raises(ValueError, match="must be one of"):
-        quantization.check("int3")
+        check_quantization("int3")

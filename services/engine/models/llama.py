@@ -30,7 +30,7 @@ from .layers import (
 )
 
 # HF module -> (our fused parameter, which block of its rows: 0 = the first, ...).
-_FUSED = {
+FUSED = {
     "self_attn.q_proj": ("self_attn.qkv", 0), "self_attn.k_proj": ("self_attn.qkv", 1),
     "self_attn.v_proj": ("self_attn.qkv", 2), "self_attn.o_proj": ("self_attn.o", 0),
     "mlp.gate_proj": ("mlp.gate_up", 0), "mlp.up_proj": ("mlp.gate_up", 1),
@@ -122,8 +122,8 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("model.layers."):
                 _, _, idx, rest = name.split(".", 3)
                 module, kind = rest.rsplit(".", 1)
-                if module in _FUSED:
-                    attr, part = _FUSED[module]
+                if module in FUSED:
+                    attr, part = FUSED[module]
                     target = f"layers.{idx}.{attr}_{kind}"
                     offset = offsets.get(attr, (0,))[part]
                     dst = params[target].narrow(0, offset, w.shape[0]) if target in params \
