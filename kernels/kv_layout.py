@@ -79,3 +79,27 @@ def offset(block, kv, head, pos, *, kv_heads: int, block_size: int, head_dim: in
 def block_elements(kv_heads: int, block_size: int, head_dim: int) -> int:
     """Elements of one block in one layer: the length of its contiguous run."""
     return 2 * kv_heads * block_size * head_dim
+
+
+def rank_heads(kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads tensor-parallel rank `rank` of `tp_size` holds, in order.
+
+    With at least as many heads as ranks each rank holds kv_heads / tp_size consecutive
+    heads; with fewer, each head is replicated on tp_size / kv_heads consecutive ranks:
+
+        kv_heads 4, tp 2:  rank 0 -> h0 h1   rank 1 -> h2 h3
+        kv_heads 2, tp 4:  rank 0 -> h0   rank 1 -> h0   rank 2 -> h1   rank 3 -> h1
+
+    Query heads split evenly (num_heads / tp_size per rank), so the q heads of a rank use
+    exactly the KV heads it holds. ValueError where neither count divides the other.
+    """
+    if tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} of tensor-parallel size {tp_size}")
+    if kv_heads % tp_size == 0:
+        per = kv_heads // tp_size
+        return range(rank * per, (rank + 1) * per)
+    if tp_size % kv_heads == 0:
+        head = rank // (tp_size // kv_heads)
+        return range(head, head + 1)
+    raise ValueError(f"{kv_heads} KV heads cannot be split over {tp_size} ranks: one count "
+                     "must divide the other")

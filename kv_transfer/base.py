@@ -59,10 +59,15 @@ class KVLayout:
     # An fp8 cache's per-layer k_scale/v_scale, as the engine states them ("1": all 1.0,
     # else a digest); "" where the cache stores the model's dtype, unscaled.
     kv_scales: str = ""
+    # Tensor-parallel ranks the cache is split over (kv_layout.rank_heads: which heads
+    # each holds). Not part of the fingerprint: peers of different sizes pair, each side
+    # mapping head slices between its ranks and the peer's.
+    tp_size: int = 1
 
     @property
     def fingerprint(self) -> str:
-        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        fields = {k: v for k, v in asdict(self).items() if k != "tp_size"}
+        text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property

@@ -92,6 +92,12 @@ class LLMEngine:
         """One tensor per layer, `[K|V, kv_head, block, offset, head_dim]` (kv_transfer)."""
         return self.runner.kv_caches
 
+    @property
+    def rank_kv_caches(self) -> list[list]:
+        """Every tensor-parallel rank's KV caches, rank-major (`[rank][layer]`), each rank
+        holding its heads (kernels/kv_layout.rank_heads); [kv_caches] without TP."""
+        return self.runner.rank_kv_caches
+
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

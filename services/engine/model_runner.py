@@ -139,6 +139,10 @@ class ModelRunner:
                  self.kv_dtype)
 
     @property
+    def rank_kv_caches(self) -> list[list[torch.Tensor]]:
+        return [self.kv_caches]
+
+    @property
     def kv_cache_bytes(self) -> int:
         """The KV cache's bytes as stored (1 per element for fp8)."""
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
