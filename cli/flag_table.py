@@ -80,6 +80,20 @@ FLAGS: list[Flag] = [
        "fp8_e5m2, one byte per element, scaled per layer by the checkpoint's k_scale and "
        "v_scale (else 1.0); both workers of a P/D pair must agree", choices=KV_CACHE_DTYPES),
     _f("device", WORKERS, "engine.device", "auto, cpu or cuda[:N]"),
+    _f("tensor-parallel-size", WORKERS, "engine.tensor_parallel_size",
+       "ranks one worker's model is split over (heads, MLP rows and vocabulary per rank; "
+       "one all-reduce after attention and after the MLP): gloo on CPU, NCCL on GPUs; the "
+       "worker starts the ranks of its host (baton up: --prefill-/--decode- "
+       "tensor-parallel-size per role)", kind=int),
+    _f("nnodes", WORKERS, "engine.nnodes",
+       "hosts one worker spans (--tensor-parallel-size a multiple of it; "
+       "--tensor-parallel-size / nnodes ranks each)", kind=int),
+    _f("node-rank", WORKERS, "engine.node_rank",
+       "this host's place among --nnodes: 0 serves the API, any other runs only its "
+       "ranks", kind=int),
+    _f("distributed-init-address", WORKERS, "engine.distributed_init_address",
+       "host:port of node 0 where a worker's ranks meet (default: MASTER_ADDR and "
+       "MASTER_PORT, or a free local port on one host)", optional=True),
     _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
     _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",
        kind=float),

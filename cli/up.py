@@ -39,6 +39,10 @@ def add_parser(sub, with_flags: bool) -> list[Flag]:
                    "comma-separate) [BATON_API_KEY, else VLLM_API_KEY; BATON_API_KEY_FILE "
                    "adds a file's]")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                       help=f"the {role} worker's --tensor-parallel-size (default: "
+                       "--tensor-parallel-size)")
     return add_flags(p, ("prefill", "decode")) if with_flags else []
 
 
@@ -66,8 +70,11 @@ def up(args, flags: list[Flag]) -> None:
     try:
         metrics = {"prefill": args.prefill_metrics_port, "decode": args.decode_metrics_port}
         for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
+            tp = getattr(args, f"{role}_tensor_parallel_size", None)
+            per_role = ["--tensor-parallel-size", str(tp)] if tp else []
             proc = spawn(role, address(args.host, port), [
-                *argv_for(args, flags, role), "--metrics-port", str(metrics[role])], env=env)
+                *argv_for(args, flags, role), *per_role, "--metrics-port", str(metrics[role])],
+                env=env)
             procs.append(proc)
             names[proc.pid] = role
         mutual = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)

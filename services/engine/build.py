@@ -22,7 +22,9 @@ from .config import EngineConfig
 from .loader import load_checkpoint, resolve_model_path
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .parallel import TPGroup
 from .quantization import stored_bytes
+from .tp_cache import new_name as new_shared_name
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +42,43 @@ class Built:
     kv_layout: KVLayout
 
 
-def load(config: EngineConfig) -> Built:
+def load_runner(config: EngineConfig, tp: TPGroup | None = None
+                ) -> tuple[EngineConfig, ModelRunner, int]:
+    """The checkpoint's weights in a runner (this rank's share of them, with `tp`): the
+    config with its dtype resolved, the runner, and the model's longest length."""
     path = resolve_model_path(config.model, config.revision)
-    name = model_source.model_name(config.model, path)  # the same on every host
-    tokenizer = load_tokenizer(model_source.resolve_tokenizer(
-        config.tokenizer, path, config.revision, config.tokenizer_revision))
-    if config.chat_template:
-        tokenizer.chat_template = read_chat_template(config.chat_template)
     model_config, weights = load_checkpoint(path, config.load_format, config.seed)
     config = dataclasses.replace(config, dtype=config.resolve_dtype(model_config.dtype))
-    extra_eos, sampling_defaults = read_generation_config(config.generation_config, path)
-    model_config = dataclasses.replace(model_config, eos_token_ids=tuple(dict.fromkeys(
-        model_config.eos_token_ids + extra_eos)))
     limit = model_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                          f"max_position_embeddings {limit}")
     max_len = config.max_model_len or limit
     t1 = time.monotonic()
-    runner = ModelRunner(config, model_config, weights, max_len, checkpoint=path)
-    log.info("loaded %s (%s, %s, quantization %s: weights %.0f MiB) in %.1fs", name,
-             model_config.architecture, config.dtype, config.quantization,
+    runner = ModelRunner(config, model_config, weights, max_len, checkpoint=path, tp=tp)
+    log.info("loaded %s (%s, %s, quantization %s, rank %d of %d: weights %.0f MiB) in "
+             "%.1fs", path.name, model_config.architecture, config.dtype,
+             config.quantization, tp.rank if tp else 0, tp.size if tp else 1,
              stored_bytes(runner.model) / 2**20, time.monotonic() - t1)
+    return config, runner, max_len
+
+
+def load(config: EngineConfig, tp: TPGroup | None = None) -> Built:
+    """`tp`: the tensor-parallel group this engine leads as rank 0 (its ranks started)."""
+    path = resolve_model_path(config.model, config.revision)
+    name = model_source.model_name(config.model, path)  # the same on every host
+    tokenizer = load_tokenizer(model_source.resolve_tokenizer(
+        config.tokenizer, path, config.revision, config.tokenizer_revision))
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    config, runner, max_len = load_runner(config, tp)
+    extra_eos, sampling_defaults = read_generation_config(config.generation_config, path)
+    model_config = runner.model_config
+    model_config = dataclasses.replace(model_config, eos_token_ids=tuple(dict.fromkeys(
+        model_config.eos_token_ids + extra_eos)))
+    if tp is not None:  # each rank holds its share: nothing gathered on rank 0
+        log.info("weights per tensor-parallel rank: %s MiB", ", ".join(
+            f"{b / 2**20:.1f}" for b in runner.rank_weight_bytes()))
     num_blocks = runner.profile_num_blocks()
     # One request must always fit alone, or it could never finish.
     capacity = (num_blocks - 1) * config.block_size
@@ -72,7 +89,9 @@ def load(config: EngineConfig) -> Built:
         raise ValueError(f"max_model_len {config.max_model_len} does not fit in the KV "
                          f"cache ({capacity} tokens); raise the KV budget")
     max_model_len = min(max_len, capacity)
-    runner.allocate_kv_cache(num_blocks)
+    # Every rank's cache where rank 0 can map it (one host, CPU), for the KV transfer.
+    local = config.nnodes == 1 and runner.device.type == "cpu"
+    runner.allocate_kv_cache(num_blocks, new_shared_name() if tp and local else None)
     # Workers pair only over the same weights: a hub model's commit is in its name here.
     commit = model_source.model_commit(path)
     # KV computed with quantized weights differs from KV of the dense ones: not a pair.
@@ -83,7 +102,8 @@ def load(config: EngineConfig) -> Built:
                          dtype=str(runner.kv_dtype).removeprefix("torch."),
                          block_size=config.block_size, num_layers=model_config.num_layers,
                          num_kv_heads=model_config.num_kv_heads,
-                         head_dim=model_config.head_dim, kv_scales=kv_scales_text(runner))
+                         head_dim=model_config.head_dim, kv_scales=kv_scales_text(runner),
+                         tp_size=config.tensor_parallel_size)
     return Built(config, name, tokenizer, model_config, sampling_defaults, runner,
                  num_blocks, max_model_len, kv_layout)
 

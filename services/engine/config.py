@@ -106,6 +106,13 @@ class EngineConfig:
     lora_root: str | None = None
     # The KV cache's element type (kernels/kv_quant.py): auto, fp8 (= fp8_e4m3), fp8_e5m2.
     kv_cache_dtype: str = "auto"
+    # Tensor parallelism (services/engine/tp_ranks.py): ranks per worker, over `nnodes`
+    # hosts (this one `node_rank`), meeting at `distributed_init_address` ("host:port";
+    # None: torch's MASTER_ADDR/MASTER_PORT, or a local port on one host).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    distributed_init_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is None:
@@ -161,8 +168,26 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
+        self._check_parallel()
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp % nodes:
+            raise ValueError(f"tensor_parallel_size {tp} must be a multiple of nnodes {nodes}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nodes:
+            raise ValueError(f"node_rank must be in [0, {nodes}), got {self.node_rank!r}")
+        address = self.distributed_init_address
+        if address is not None and (":" not in address
+                                    or not address.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"distributed_init_address must be host:port, got {address!r}")
+        if tp > 1 and self.quantization == "gguf":
+            raise ValueError("quantization 'gguf' keeps the file's blocks whole: it is not "
+                             "split over tensor-parallel ranks (int8 and w8a8 are)")
 
     def resolve_dtype(self, checkpoint_dtype: str | None) -> str:
         """`auto`: the checkpoint's dtype, except that fp32 checkpoints run in bf16 (half

@@ -38,6 +38,7 @@ from .request_output import request_output
 from .sampler import bad_words_ids
 from .scheduler import Scheduler
 from .spec_decode import NgramProposer
+from .tp_ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,12 @@ ReceiverFactory = Callable[[KVLayout, list], KVReceiver]
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
         t0 = time.monotonic()
-        built = load(config)
+        self.ranks = Ranks.start(config, self)  # tensor parallelism: this engine is rank 0
+        try:
+            built = load(config, self.ranks.group if self.ranks else None)
+        except BaseException:
+            self.close()
+            raise
         self.config = config = built.config
         self.model_name, self.tokenizer = built.model_name, built.tokenizer
         self.model_config = model_config = built.model_config
@@ -86,6 +92,10 @@ class LLMEngine:
         self._ids = itertools.count()
         log.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.monotonic() - t0,
                  model_config.architecture, config.dtype, self.max_model_len)
+
+    def close(self) -> None:  # stops the tensor-parallel ranks
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @property
     def kv_caches(self) -> list:

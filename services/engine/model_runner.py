@@ -9,26 +9,31 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import baton.kernels.backend as kernels
 from baton.kernels import kv_layout
 from baton.kernels.lora import LoraBatch
-from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 
 from ..common.sampling_params import SamplingParams
 from ..lora.slots import LayerLora, LoraSlots
 from .config import EngineConfig
 from .cuda_graphs import CudaGraphRunner
+from .forward import Forward, single_prefill_meta, zeros
 from .model_config import ModelConfig
 from .models import model_class
+from .models.sharding import Shard
 from .outputs import SampledTokens
+from .parallel import TPGroup
 from .quantization import apply as quantize_weights
+from .quantization import stored_bytes
 from .request import Request
 from .sampler import Sampler, SamplingRow, to_device
 from .scheduler import SchedulerOutput
 from .structured_output import BatchMask
+from .tp_cache import create as create_shared
+from .tp_cache import map_all as map_shared
+from .tp_cache import unlink_all as unlink_shared
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +47,16 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights,
-                 max_model_len: int, checkpoint: Path | None = None):
+                 max_model_len: int, checkpoint: Path | None = None, tp: TPGroup | None = None):
+        """`tp`: this rank's tensor-parallel group (None: one rank). Each rank builds its
+        own runner over its share of the weights (models/sharding.py); rank 0's also
+        schedules' steps reach the others through `run`."""
         self.config = config
-        self.mc = model_config
+        self.model_config = model_config  # the whole model's
+        self.tp = tp
+        self.shard = Shard(tp.rank, tp.size, model_config) if tp is not None else None
+        # This rank's part of the model: its heads and MLP rows (all of it on one rank).
+        self.mc = self.shard.local_config() if self.shard is not None else model_config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.kv_dtype = config.torch_kv_dtype  # the model's dtype, or fp8
@@ -58,7 +70,8 @@ class ModelRunner:
         # Device memory outside this process's torch now: other processes and engines' own
         # CUDA contexts; what grows beyond it later is this engine's (see profile).
         self.outside_at_start = _outside_torch(self.device) if cuda else 0
-        self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend)
+        self.model = cls(model_config, max_model_len, self.dtype, self.device, self.backend,
+                         self.shard, tp)
         self.model.load_weights(weights)
         if config.quantization is not None:
             if checkpoint is None:
@@ -68,9 +81,9 @@ class ModelRunner:
         self.model.eval()
         self.lora: LoraSlots | None = None
         if config.enable_lora:
-            self.lora = LoraSlots(model_config, config.max_loras, config.max_lora_rank,
+            self.lora = LoraSlots(self.mc, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or 4 * config.max_loras, self.dtype,
-                                  self.device)
+                                  self.device, self.shard.take_lora if self.shard else None)
             for i, layer in enumerate(self.model.decoder_layers):
                 layer.self_attn.lora = layer.mlp.lora = LayerLora(self.lora, i)
         # This engine's weights on the device (other engines in the process not counted).
@@ -78,14 +91,30 @@ class ModelRunner:
         gen = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
         self.kv_caches: list[torch.Tensor] = []
+        self._rank_caches: list[list[torch.Tensor]] = []  # every rank's, where visible
         self.graphs: CudaGraphRunner | None = None
         self.mask = BatchMask(model_config.vocab_size)
+
+    def rank_weight_bytes(self) -> list[int]:
+        """Each rank's weights as stored, in rank order (rank 0 asks the others)."""
+        if self.tp is None:
+            return [stored_bytes(self.model)]
+        if self.tp.rank == 0:
+            self.tp.send(("weights",))
+        return self.tp.gather_ints(stored_bytes(self.model))
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks the memory budget holds."""
         per_block = kv_bytes_per_block(self.mc, self.block_size, self.kv_dtype)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # kv_cache_gib per rank, as vLLM's budget per GPU
             return int(self.config.kv_cache_gib * (1 << 30)) // per_block
+        if self.tp is not None:  # every rank profiles its own device; the least wins
+            if self.tp.rank == 0:
+                self.tp.send(("profile",))
+            return self.tp.min(self._profile_cuda(per_block))
+        return self._profile_cuda(per_block)
+
+    def _profile_cuda(self, per_block: int) -> int:
         # GPU: run the largest batch once without a cache, and sample max_num_seqs rows
         # (top-p's sort is the sampler's largest temporary), to find this engine's peak
         # activation memory. Then, as vLLM reads gpu_memory_utilization (this engine's
@@ -102,15 +131,16 @@ class ModelRunner:
         dummy = [torch.zeros(one_block, dtype=self.kv_dtype, device=self.device)
                  for _ in range(self.mc.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = _single_prefill_meta(n, self.block_size, self.device)
+        meta = single_prefill_meta(n, self.block_size, self.device)
         with torch.inference_mode():
             # Positions wrap at the RoPE table's length (max_model_len may be < n).
             positions = torch.arange(n, device=self.device) % self.model.rope.cos.shape[0]
             hidden = self.model(ids, positions, dummy, meta)
             rows = min(n, self.config.max_num_seqs)
             logits = self.model.compute_logits(hidden[:rows])
-            params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-            self.sampler.sample(logits, [SamplingRow(params, None, [], [])] * rows)
+            if self.tp is None or self.tp.rank == 0:
+                params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+                self.sampler.sample(logits, [SamplingRow(params, None, [], [])] * rows)
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base
         del dummy, hidden, logits
@@ -127,20 +157,44 @@ class ModelRunner:
                  activations / 2**30, outside / 2**30)
         return max(0, budget // per_block)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, shared: str | None = None) -> None:
+        """`shared` (tensor parallelism on one host, CPU): every rank's cache goes into
+        a shared-memory file of that name (+ its rank), and rank 0 maps all of them, so
+        the KV transfer reads and writes every rank's heads from rank 0's process."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send(("allocate", num_blocks, shared))
         # One tensor per layer, block-major: [block, K|V, kv head, offset in block, head
         # dim] (kernels/kv_layout.py).
         shape = kv_layout.shape(num_blocks, self.mc.num_kv_heads, self.block_size,
                                 self.mc.head_dim)
-        self.kv_caches = [_zeros(shape, self.kv_dtype, self.device)
-                          for _ in range(self.mc.num_layers)]
+        if shared is not None and self.tp is not None:
+            self.kv_caches = create_shared(shared, self.tp.rank, shape, self.kv_dtype,
+                                             self.mc.num_layers)
+            self.tp.barrier()  # every rank's file exists
+            if self.tp.rank == 0:
+                self._rank_caches = map_shared(shared, self.shard, num_blocks,
+                                                     self.block_size, self.kv_dtype)
+            self.tp.barrier()  # rank 0 holds every mapping: the names can go
+            if self.tp.rank == 0:
+                unlink_shared(shared, self.tp.size)
+        else:
+            self.kv_caches = [zeros(shape, self.kv_dtype, self.device)
+                              for _ in range(self.mc.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks,
                  self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30,
                  self.kv_dtype)
 
     @property
     def rank_kv_caches(self) -> list[list[torch.Tensor]]:
-        return [self.kv_caches]
+        """Every rank's caches, rank-major; ValueError where other ranks' caches are out
+        of this process's reach (another host, or GPUs: no shared mapping built)."""
+        if self.tp is None:
+            return [self.kv_caches]
+        if not self._rank_caches:
+            raise ValueError("the KV caches of this worker's other tensor-parallel ranks "
+                             "are not mapped here (ranks on other hosts, or on GPUs): "
+                             "KV transfer needs every rank of a worker on one host, on CPU")
+        return self._rank_caches
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -150,6 +204,8 @@ class ModelRunner:
     def maybe_capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        if self.tp is not None and self.tp.rank == 0:  # every rank captures its own
+            self.tp.send(("capture", max_num_seqs, max_model_len))
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_blocks,
                                       self.device)
@@ -179,7 +235,6 @@ class ModelRunner:
         seqs = decodes + sorted((e for e in seqs if e[2] > 1),
                                 key=lambda e: e[0].lora_name or "")
         num_decodes = len(decodes)
-        bs, dev = self.block_size, self.device
         ids: list[int] = []
         positions: list[int] = []
         qsl = [0]
@@ -213,49 +268,16 @@ class ModelRunner:
             sample_rows += [row_at[req.request_id, last + j] for j in range(len(drafts) + 1)]
         # The constraints' masks fill while the model runs.
         pending = self.mask.start(len(sample_rows), grammar_jobs)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        # Token t of request r lives in slot table[r, pos // bs] * bs + pos % bs.
-        owner = torch.repeat_interleave(torch.arange(len(seqs)),
-                                        torch.tensor([n for _, _, n in seqs]))
-        slots = table[owner, pos // bs].long() * bs + pos % bs
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        if dev.type == "cuda":  # pinned, so every copy below is asynchronous
-            table, pos, slots, input_ids, seq_lens_t = (
-                t.pin_memory() for t in (table, pos, slots, input_ids, seq_lens_t))
-        # Rows to sample, sent before the forward pass so nothing waits for it.
         every_row = sample_rows == list(range(len(ids)))
-        rows_t = None if every_row else to_device(sample_rows, torch.long, dev)
-        lora = self._lora_batch(seqs)
-
-        if (self.graphs is not None and num_decodes == len(seqs) and lora is None
-                and len(seqs) <= self.graphs.max_batch):
-            hidden = self.graphs.run(input_ids, pos, slots, seq_lens_t, table)
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=slots.to(dev, non_blocking=True),
-                query_start_loc=to_device(qsl, torch.int32, dev),
-                seq_lens=seq_lens_t.to(dev, non_blocking=True),
-                block_tables=table.to(dev, non_blocking=True),
-                num_decodes=num_decodes,
-                query_start_loc_cpu=qsl,
-                seq_lens_cpu=seq_lens,
-                max_seq_len=max(seq_lens),
-                max_query_len=max(n for _, _, n in seqs),
-                decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
-                num_shared_blocks=count_shared_blocks(table, seq_lens[:num_decodes], bs),
-                num_shared_prefill_blocks=_shared_prefill_blocks(seqs, num_decodes, table,
-                                                                 bs),
-            )
-            hidden = self.model(input_ids.to(dev, non_blocking=True),
-                                pos.to(dev, non_blocking=True), self.kv_caches, meta)
-        if self.lora is not None:
-            self.lora.batch = None
-        if not samplers:
+        lora = self._lora_tokens(seqs)
+        step = Forward(
+            ids, positions, qsl, seq_lens, tables, num_decodes,
+            max_query_len=max(n for _, _, n in seqs), rows=None if every_row else sample_rows,
+            logits=bool(samplers), lora_tokens=lora,
+            lora_writes=self.lora.take_writes() if self.lora is not None else [])
+        logits = self.run(step)
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden if every_row else hidden[rows_t])
         dead = set(self.mask.apply(logits, pending)) if pending is not None else set()
         rows = []
         for req, _ in samplers:
@@ -270,47 +292,72 @@ class ModelRunner:
         out = self.sampler(logits, rows)
         return {req.request_id: _emitted(req, first, out, dead) for req, first in samplers}
 
+    def run(self, step: Forward) -> torch.Tensor | None:
+        """Rank 0: the step on every rank (sent to the others first); its logits for the
+        rows that sample, or None where none does."""
+        if self.tp is not None:
+            self.tp.send(("forward", step))
+        return self.forward(step)
+
     @torch.inference_mode()
+    def forward(self, f: Forward) -> torch.Tensor | None:
+        """The model on this rank's share of the weights, for the step rank 0 built."""
+        dev = self.device
+        t = f.tensors(self.block_size, pin=dev.type == "cuda")
+        # Rows to sample, sent before the forward pass so nothing waits for it.
+        rows_t = None if f.rows is None else to_device(f.rows, torch.long, dev)
+        lora = self._lora_batch(f)
+        if (self.graphs is not None and f.num_decodes == len(f.tables) and lora is None
+                and f.num_decodes <= self.graphs.max_batch):
+            hidden = self.graphs.run(t.input_ids, t.positions, t.slots, t.seq_lens, t.table)
+        else:
+            hidden = self.model(t.input_ids.to(dev, non_blocking=True),
+                                t.positions.to(dev, non_blocking=True), self.kv_caches,
+                                f.metadata(t, self.block_size, dev))
+        if self.lora is not None:
+            self.lora.batch = None
+        if not f.logits:
+            return None
+        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
+
     def prompt_logprobs(self, token_ids: list[int], block_ids: list[int],
                         chunk: int) -> torch.Tensor:
         """Teacher forcing: log p(token i | the tokens before it) for i >= 1, [len - 1]
         fp32 on the host. The tokens run as a chunked prefill runs them, `chunk` at a
         time, their K/V written to `block_ids` and read back from there by later chunks,
         so the cache's dtype and the attention kernels show in the result."""
-        bs, dev = self.block_size, self.device
-        table = torch.tensor([block_ids], dtype=torch.int32)
-        if self.lora is not None:
-            self.lora.batch = None
         out = []
         n = len(token_ids) - 1  # the last token is only a target
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             q = end - start
-            pos = torch.arange(start, end)
-            slots = table[0, pos // bs].long() * bs + pos % bs
-            meta = AttentionMetadata(
-                slot_mapping=slots.to(dev), query_start_loc=to_device([0, q], torch.int32, dev),
-                seq_lens=to_device([end], torch.int32, dev), block_tables=table.to(dev),
-                num_decodes=int(q == 1), query_start_loc_cpu=[0, q], seq_lens_cpu=[end],
-                max_seq_len=end, max_query_len=q, decode_max_seq_len=end if q == 1 else 0)
-            ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
-            hidden = self.model(ids, pos.to(dev), self.kv_caches, meta)
-            logp = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
-            targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long, device=dev)
+            step = Forward(token_ids[start:end], list(range(start, end)), [0, q], [end],
+                           [block_ids], num_decodes=int(q == 1), max_query_len=q)
+            logits = self.run(step)
+            assert logits is not None
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.tensor(token_ids[start + 1:end + 1], dtype=torch.long,
+                                   device=self.device)
             out.append(logp.gather(1, targets[:, None])[:, 0].cpu())
         return torch.cat(out) if out else torch.empty(0)
 
-    def _lora_batch(self, seqs: list[tuple[Request, int, int]]) -> LoraBatch | None:
-        """The step's adapters in their slots, and each token's slot (kernels/lora.py);
-        None without any (the captured CUDA graphs, which hold no LoRA, may then run)."""
-        if self.lora is None:
-            return None
-        self.lora.batch = None
-        if not any(req.lora_name for req, _, _ in seqs):
+    def _lora_tokens(self, seqs: list[tuple[Request, int, int]]) -> list[int] | None:
+        """Rank 0: the step's adapters put in their slots, and each token's slot
+        (kernels/lora.py); None without any (the captured CUDA graphs, which hold no
+        LoRA, may then run)."""
+        if self.lora is None or not any(req.lora_name for req, _, _ in seqs):
             return None
         slots = self.lora.prepare([req.lora_name for req, _, _ in seqs])
-        per_token = [s for s, (_, _, n) in zip(slots, seqs, strict=True) for _ in range(n)]
-        self.lora.batch = LoraBatch.of(per_token, self.device)
+        return [s for s, (_, _, n) in zip(slots, seqs, strict=True) for _ in range(n)]
+
+    def _lora_batch(self, f: Forward) -> LoraBatch | None:
+        if self.lora is None:
+            return None
+        self.lora.apply_writes(f.lora_writes)  # rank 0 wrote them as it prepared
+        self.lora.batch = None
+        if f.lora_tokens is None:
+            return None
+        self.lora.batch = LoraBatch.of(f.lora_tokens, self.device)
         return self.lora.batch
 
 
@@ -334,42 +381,7 @@ def _emitted(req: Request, first: int, out, dead: set[int]) -> SampledTokens:
                          num_drafts=k, dead=not tokens)
 
 
-def _shared_prefill_blocks(seqs, num_decodes: int, table: torch.Tensor,
-                           block_size: int) -> int:
-    """Blocks shared by the cached prefixes of the prefill chunks that have at least one
-    cached block (the others take the plain paths; see kernels/torch_attn.py)."""
-    rows = [i for i, (_, start, _) in enumerate(seqs) if i >= num_decodes
-            and start >= block_size]
-    if len(rows) < 2:
-        return 0
-    prefix_lens = [seqs[i][1] for i in rows]
-    return count_shared_blocks(table[rows], prefix_lens, block_size)
-
-
 def _outside_torch(device: torch.device) -> int:
     """Bytes in use on the device that this process's torch allocator does not hold."""
     free, total = torch.cuda.mem_get_info(device)
     return (total - free) - torch.cuda.memory_reserved(device)
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed memory. On CPU, numpy's calloc maps zero pages lazily instead of writing
-    gigabytes up front. Zeros matter: padded attention reads unwritten slots with weight 0,
-    and 0 * NaN garbage would be NaN."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    item = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(shape[:-1] + (shape[-1] * item,), dtype=np.uint8))
-    return raw.view(dtype)
-
-
-def _single_prefill_meta(n: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """Metadata for one n-token prompt whose K/V all go to the null block (profiling only)."""
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(n, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.zeros(1, -(-n // block_size), dtype=torch.int32, device=device),
-        num_decodes=0, query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_seq_len=n,
-        max_query_len=n, decode_max_seq_len=0,
-    )

@@ -27,6 +27,9 @@ from ..common.capacity import AtCapacity
 from ..engine.model_config import ModelConfig
 from .adapter import LoRAAdapter, projection_shapes
 
+# (projection, part, A, B) -> this rank's (A, B).
+Split = Callable[[str, int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class LayerLora:
     """A decoder layer's hook: `layer_lora(proj, x, out)` adds the step's deltas to a
@@ -45,7 +48,11 @@ class LayerLora:
 
 class LoraSlots:
     def __init__(self, c: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, split: Split | None = None):
+        """`c`: the model's config as this rank holds it; `split`: this tensor-parallel
+        rank's part of an adapter's (A, B) for (projection, part) (models/sharding.py)."""
+        self.split = split
+        self.writes: list[tuple[int, LoRAAdapter]] = []  # slots filled, not yet written
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.shapes = projection_shapes(c)
         self.a: dict[str, list[torch.Tensor]] = {}
@@ -103,9 +110,19 @@ class LoraSlots:
             if free is None:  # the least recently used slot not in this step
                 victim = next(n for n in self.slot_of if n not in wanted)
                 free = self.slot_of.pop(victim)
-            self._write(free, self.adapters[name])
+            self.writes.append((free, self.adapters[name]))
             self.slot_of[name] = free
         return [-1 if n is None else self.slot_of[n] for n in names]
+
+    def take_writes(self) -> list[tuple[int, LoRAAdapter]]:
+        """The slots `prepare` filled since the last call: (slot, adapter). Rank 0 sends
+        them with the step; every rank then writes them (apply_writes)."""
+        writes, self.writes = self.writes, []
+        return writes
+
+    def apply_writes(self, writes: list[tuple[int, LoRAAdapter]]) -> None:
+        for slot, adapter in writes:
+            self._write(slot, adapter)
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         r = self.max_rank
@@ -118,6 +135,8 @@ class LoraSlots:
                 for part, size in enumerate(outs):
                     w = adapter.weights.get((layer, proj, part))
                     if w is not None:
+                        if self.split is not None:
+                            w = self.split(proj, part, *w)
                         rank = w[0].shape[0]
                         a[part * r:part * r + rank].copy_(w[0])
                         b[row:row + size, part * r:part * r + rank].copy_(w[1])

@@ -42,6 +42,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting  # bound on the waiting queue; None: unbounded
         self.stall_timeout_s = stall_timeout_s  # None: never called stalled
         self._turn_since: float | None = None  # monotonic start of the turn under way
+        self.dead_since: float | None = None  # when a tensor-parallel rank was lost
         self.stats: EngineStats = engine.stats()
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Event()
@@ -141,11 +142,20 @@ class AsyncEngine:
     def stalled_since(self) -> float | None:
         """Since when (Unix time) the engine thread has been in a turn that outlasted
         the stall timeout: stuck in a step or a call, or dead. None while it steps."""
+        if self.dead_since is not None:  # a tensor-parallel rank is gone
+            return self.dead_since
         since, timeout = self._turn_since, self.stall_timeout_s
         if since is None or timeout is None:
             return None
         stuck = time.monotonic() - since
         return time.time() - stuck if stuck >= timeout else None
+
+    def die(self, why: str) -> None:
+        """A tensor-parallel rank is gone (any thread): health says NOT_SERVING from now
+        on, and the engine thread's next step fails every request (RankDied)."""
+        log.error("the engine cannot run: %s", why)
+        self.dead_since = time.time()
+        self._wake.set()
 
     def stop(self) -> None:
         with self._lock:

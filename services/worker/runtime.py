@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -14,6 +17,7 @@ from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine, ReceiverFactory
+from ..engine.tp_ranks import run_node
 from ..rpc import tracing
 from ..rpc.security import Security
 from ..rpc.server import Lifecycle, method_name, run_server, service_name
@@ -32,7 +36,21 @@ def make_engine(config: EngineConfig, threads: int | None,
         import torch
 
         torch.set_num_threads(threads)
+    if config.node_rank > 0:  # a node past 0 serves nothing: it runs its ranks, then ends
+        run_node(config)
+        raise SystemExit(0)
     return LLMEngine(config, kv_receiver=kv_receiver)
+
+
+RANK_DEATH_GRACE_S = 2.0  # NOT_SERVING and every request failed, then the worker stops
+
+
+def _rank_died(aengine: AsyncEngine, why: str) -> None:
+    """A tensor-parallel rank is gone: health turns NOT_SERVING, every request ends with
+    the engine-failed error (the router moves it as from a dead worker), and the worker
+    stops (SIGTERM to itself: the drain finds nothing left) for its supervisor to restart."""
+    aengine.die(why)
+    threading.Timer(RANK_DEATH_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
 
 def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
@@ -54,6 +72,8 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
                             engine.kv_layout.block_bytes, engine.model_info.served_model_name)
     metrics.watch(aengine)
+    if engine.ranks is not None:
+        engine.ranks.group.on_death(lambda why: _rank_died(aengine, why))
     metrics.serve(svc)
     work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
     lifecycle = Lifecycle((method_name(wk, service, work),))

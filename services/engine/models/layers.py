@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,8 @@ def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter
 # LoRA's hook on a layer's linears (services/lora/slots.py): (which linear, its
 # input, its output) -> the output with the adapters' deltas added.
 LoraHook = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+# The tensor-parallel group (services/engine/parallel.py), or None: one rank.
+TP = Any
 
 
 class RMSNorm(nn.Module):
@@ -159,8 +162,9 @@ class Attention(nn.Module):
     """q, k, v from one fused projection; optional per-head RMSNorm of q and k before RoPE
     (Qwen3, Gemma 3); the kernel applies this layer's sliding window and soft-cap."""
 
-    def __init__(self, c: ModelConfig, layer: int, dtype, device):
+    def __init__(self, c: ModelConfig, layer: int, dtype, device, tp: TP = None):
         super().__init__()
+        self.tp = tp  # the tensor-parallel group: c holds this rank's heads (sharding.py)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = self.q_size + 2 * self.kv_size
@@ -215,14 +219,17 @@ class Attention(nn.Module):
                                     **scales)
         o = o.reshape(t, self.q_size)
         out = linear(o, self.o_weight, self.packed.get("o"), self.o_bias)
-        return out if self.lora is None else self.lora("o", o, out)
+        if self.lora is not None:
+            out = self.lora("o", o, out)
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel
 
 
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused in one projection."""
 
-    def __init__(self, c: ModelConfig, dtype, device):
+    def __init__(self, c: ModelConfig, dtype, device, tp: TP = None):
         super().__init__()
+        self.tp = tp  # as Attention's: c holds this rank's rows of the MLP
         inter = c.intermediate_size
         self.gate_up_weight = param(2 * inter, c.hidden_size, dtype=dtype, device=device)
         self.down_weight = param(c.hidden_size, inter, dtype=dtype, device=device)
@@ -243,7 +250,9 @@ class MLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             h = self.act(gate) * up
         out = linear(h, self.down_weight, self.packed.get("down"), self.down_bias)
-        return out if self.lora is None else self.lora("down", h, out)
+        if self.lora is not None:
+            out = self.lora("down", h, out)
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -262,16 +271,16 @@ class DecoderLayer(nn.Module):
     happens inside the norm that follows it (RMSNorm.add, one kernel on CPU). The first
     layer gets residual None and h = x; the model's final norm does the last add."""
 
-    def __init__(self, c: ModelConfig, layer: int, dtype, device):
+    def __init__(self, c: ModelConfig, layer: int, dtype, device, tp: TP = None):
         super().__init__()
 
         def norm() -> RMSNorm:
             return RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, c.norm_offset)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(c, layer, dtype, device)
+        self.self_attn = Attention(c, layer, dtype, device, tp)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(c, dtype, device)
+        self.mlp = MLP(c, dtype, device, tp)
         self.sandwich = c.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()

@@ -20,6 +20,7 @@ from baton.kernels.metadata import AttentionMetadata
 from ..model_config import ModelConfig
 from .kv_scales import kv_scale_of, set_kv_scale
 from .layers import (
+    TP,
     DecoderLayer,
     Packed,
     RMSNorm,
@@ -28,6 +29,7 @@ from .layers import (
     param,
     prepack,
 )
+from .sharding import Shard
 
 # HF module -> (our fused parameter, which block of its rows: 0 = the first, ...).
 FUSED = {
@@ -40,32 +42,49 @@ FUSED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device, backend: ModuleType):
+                 device: torch.device, backend: ModuleType, shard: Shard | None = None,
+                 tp: TP = None):
+        """`config` the whole model's; with `shard` (and its group `tp`), this rank's part
+        of it (models/sharding.py), its own config in self.config."""
         super().__init__()
-        c = self.config = config
+        self.shard, self.tp = shard, tp
+        self.vocab_size = config.vocab_size  # the whole vocabulary's, sharded or not
+        c = self.config = shard.local_config() if shard is not None else config
         self.backend = backend
         self.dtype = dtype
-        self.embed_tokens = param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        vocab = shard.vocab_rows if shard is not None else c.vocab_size
+        self.embed_tokens = param(vocab, c.hidden_size, dtype=dtype, device=device)
         self.rope = RotaryEmbedding(c.rope, c.head_dim, max_positions, dtype, device)
         # Sliding layers use their own RoPE table where the config has one (Gemma 3).
         self.sliding_rope = (RotaryEmbedding(c.sliding_rope, c.head_dim, max_positions, dtype,
                                              device) if c.sliding_rope else None)
         self.rope_of_layer = [int(self.sliding_rope is not None and i in c.sliding_layers)
                               for i in range(c.num_layers)]
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, tp)
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, c.norm_offset)
         self.lm_head = (self.embed_tokens if c.tie_word_embeddings
-                        else param(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
+                        else param(vocab, c.hidden_size, dtype=dtype, device=device))
         self.lm_head_packed: Packed = None
         # The embedding kept quantized (services/engine/quantization.py): rows are
         # dequantized as they are looked up, and embed_tokens is empty.
         self.embed_quant: quant.QuantWeight | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._rows(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows, zeros for the others,
+        # and the sum over ranks is every token's row.
+        assert self.shard is not None
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        x = self._rows(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x.contiguous())
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quant is not None:
-            return quant.dequantize_rows(self.embed_quant, input_ids).to(self.dtype)
-        return F.embedding(input_ids, self.embed_tokens)
+            return quant.dequantize_rows(self.embed_quant, ids).to(self.dtype)
+        return F.embedding(ids, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -86,7 +105,10 @@ class LlamaForCausalLM(nn.Module):
         return cast(list[DecoderLayer], list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, self.lm_head_packed).float()
+        logits = linear(hidden, self.lm_head, self.lm_head_packed)
+        if self.tp is not None:  # this rank's rows of the vocabulary -> all of them
+            logits = self.tp.gather_vocab(logits, self.vocab_size)
+        return logits.float()
 
     def prepack_weights(self) -> None:
         """Keep oneDNN-packed copies of every linear weight, where that path applies.
@@ -119,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
             if (kv_scale := kv_scale_of(name)) is not None:  # no parameter: a float
                 set_kv_scale(self.decoder_layers[kv_scale[0]].self_attn, kv_scale[1], name, w)
                 continue
+            if self.shard is not None:  # this rank's part of the tensor
+                w = self.shard.take(name.rsplit(".", 2)[-2], name.rsplit(".", 1)[-1], w)
             if name.startswith("model.layers."):
                 _, _, idx, rest = name.split(".", 3)
                 module, kind = rest.rsplit(".", 1)
