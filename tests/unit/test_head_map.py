@@ -101,3 +101,14 @@ def test_a_rank_pulls_its_heads_share_of_a_block():
         layout = _layout(heads, tp)
         per_rank = len(kv_layout.rank_heads(heads, tp, 0))
         assert rank_block_bytes(layout, 0) * heads == layout.block_bytes * per_rank
+
+
+def test_the_layout_message_carries_tp_size_and_a_peer_without_it_runs_one_rank():
+    from baton.services.worker.messages import layout_from_message, layout_message
+
+    ours = _layout(4, 2)
+    assert layout_message(ours).tp_size == 2
+    assert layout_from_message(layout_message(ours)) == ours
+    old = layout_message(ours)
+    old.ClearField("tp_size")  # a peer from before the field
+    assert layout_from_message(old) == replace(ours, tp_size=1)
