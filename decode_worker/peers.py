@@ -127,11 +127,14 @@ class Peers:
 
     # ---- the receiver's threads ------------------------------------------------------
 
-    def fetch(self, handle: KVHandle, block_ids: list[int]):
-        """Block bytes over the gRPC transport (the source checks the lease around it)."""
+    def fetch(self, handle: KVHandle, block_ids: list[int], heads: range | None = None):
+        """Block bytes over the gRPC transport (the source checks the lease around it):
+        of the global KV heads `heads` (None: every head)."""
         stub = wk_grpc.WorkerServiceStub(self._channel(handle.engine_id))
         req = wk.ReadKvBlocksRequest(request_id=handle.request_id, lease_id=handle.lease_id,
                                      block_ids=block_ids)
+        if heads is not None:
+            req.head_start, req.head_count = heads.start, len(heads)
         timeout = FETCH_BASE_S + FETCH_PER_BLOCK_S * len(block_ids)
         for msg in stub.ReadKvBlocks(req, timeout=timeout):
             yield msg.data

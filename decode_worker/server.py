@@ -245,10 +245,11 @@ def serve(config: WorkerConfig) -> None:
     peers = Peers(security)
     made: dict[str, KVReceiver] = {}
 
-    def receiver(layout: KVLayout, kv_caches: list) -> KVReceiver:
-        """The transport over the engine's caches, its pulls checked against the lease."""
+    def receiver(layout: KVLayout, rank_caches: list) -> KVReceiver:
+        """The transport over the engine's caches (every rank's), its pulls checked
+        against the lease."""
         made["transport"] = pulls = make_receiver(transport, config.engine_id,
-                                                  layout, kv_caches, fetch=peers.fetch)
+                                                  layout, rank_caches, fetch=peers.fetch)
         if config.inject_kv_failure:
             log.warning("test hook: every KV pull will fail (%s)", config.inject_kv_failure)
             pulls = FailingReceiver(pulls, config.inject_kv_failure)

@@ -86,10 +86,17 @@ class KVLayout:
         return self.num_layers * self.layer_block_bytes
 
     def check_compatible(self, other: KVLayout) -> None:
-        """Raise IncompatibleLayout naming every field that differs."""
+        """Raise IncompatibleLayout naming every field that differs but tp_size, or
+        tp_size where either side's KV heads cannot be split over its ranks (then no head
+        map exists: kv_transfer/head_map.py)."""
         mine, theirs = asdict(self), asdict(other)
         diff = [f"{k}: ours {mine[k]!r}, peer {theirs[k]!r}" for k in mine
-                if mine[k] != theirs[k]]
+                if k != "tp_size" and mine[k] != theirs[k]]
+        for side, layout in (("ours", self), ("peer", other)):
+            try:
+                kv_layout.rank_heads(layout.num_kv_heads, layout.tp_size, 0)
+            except ValueError as e:
+                diff.append(f"tp_size: {side} {layout.tp_size!r}, {e}")
         if diff:
             raise IncompatibleLayout("KV layout mismatch (" + "; ".join(diff) + ")")
 
@@ -142,19 +149,29 @@ class KVHandle:
                              f"{need}")
 
 
-def check_caches(layout: KVLayout, kv_caches: list) -> int:
-    """Validate per-layer tensors against the layout; return their block count."""
-    if len(kv_caches) != layout.num_layers:
-        raise ValueError(f"expected {layout.num_layers} layer tensors, got {len(kv_caches)}")
-    shape = tuple(kv_caches[0].shape)
-    num_blocks = shape[0] if shape else 0
-    if layout.cache_layout != kv_layout.NAME or shape != kv_layout.shape(
-            num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim):
-        raise ValueError(f"KV tensor shape {shape} does not match {layout}")
-    for t in kv_caches:
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError("every layer tensor must have the same, contiguous shape")
-    return num_blocks
+def check_caches(layout: KVLayout, rank_caches: list) -> int:
+    """Validate every tensor-parallel rank's per-layer tensors (`[rank][layer]`) against
+    the layout: tp_size ranks, each with num_layers tensors of its heads' shape
+    (kv_layout.rank_heads), one block count for all. Return that block count."""
+    if len(rank_caches) != layout.tp_size:
+        raise ValueError(f"expected the caches of {layout.tp_size} ranks, got "
+                         f"{len(rank_caches)}")
+    num_blocks = None
+    for rank, kv_caches in enumerate(rank_caches):
+        if len(kv_caches) != layout.num_layers:
+            raise ValueError(f"rank {rank}: expected {layout.num_layers} layer tensors, got "
+                             f"{len(kv_caches)}")
+        shape = tuple(kv_caches[0].shape)
+        if num_blocks is None:
+            num_blocks = shape[0] if shape else 0
+        heads = len(kv_layout.rank_heads(layout.num_kv_heads, layout.tp_size, rank))
+        if layout.cache_layout != kv_layout.NAME or shape != kv_layout.shape(
+                num_blocks, heads, layout.block_size, layout.head_dim):
+            raise ValueError(f"rank {rank}: KV tensor shape {shape} does not match {layout}")
+        for t in kv_caches:
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError("every layer tensor must have the same, contiguous shape")
+    return num_blocks or 0
 
 
 class KVSender(ABC):

@@ -8,11 +8,23 @@ Wire order of one block: layer-major, then K|V, then kv head, then [offset, head
 so n blocks are `n * layout.block_bytes` bytes, block i at offset i * block_bytes. The
 cache is block-major (kernels/kv_layout.py): in each layer a block is already one
 contiguous run in that order, so reading or writing one is a single slice per layer.
+
+Under tensor parallelism a reader may ask for a range of heads [a, a + c) (global head
+numbers; ReadKvBlocksRequest's head_start and head_count): the same order, with only
+those heads, whichever of the source's ranks hold them (read_heads):
+
+    block b bytes = concat over l of ( K ha .. K ha+c-1  V ha .. V ha+c-1 )
+
+which is exactly the block of a rank holding those heads (kv_layout.rank_heads), so a
+decode rank writes it into its own caches with write_blocks. Every head is the whole
+range for a worker of one rank: the bytes above, unchanged.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .head_map import sources
 
 
 def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
@@ -22,6 +34,32 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
     # [n, layers, 2, kv_heads, bs, d]: each (block, layer) one contiguous run of the cache
     stacked = torch.stack([kv.index_select(0, idx) for kv in kv_caches], dim=1).cpu()
     return stacked.view(torch.uint8).numpy().tobytes()
+
+
+def read_heads(rank_caches: list[list[torch.Tensor]], kv_heads: int, block_ids: list[int],
+               heads: range) -> bytes:
+    """The blocks' bytes for global heads `heads` only, gathered from the tensor-parallel
+    ranks holding them (`rank_caches[rank][layer]`, rank_heads' split of kv_heads over
+    len(rank_caches) ranks; a replicated head is read from its first holder)."""
+    if not block_ids:
+        return b""
+    runs = sources(kv_heads, len(rank_caches), heads)
+    if len(runs) == 1:
+        rank, offset, count = runs[0]
+        if count == rank_caches[rank][0].shape[2]:  # the rank's heads, all of them
+            return read_blocks(rank_caches[rank], block_ids)
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    layers = []
+    for layer in range(len(rank_caches[0])):
+        # As bytes (exact, and CPU cat has no fp8): [n, 2, count, bs, d * element size]
+        # per run, heads joined in order.
+        parts = []
+        for rank, offset, count in runs:
+            kv = rank_caches[rank][layer].view(torch.uint8)
+            parts.append(kv.index_select(0, ids.to(kv.device))[:, :, offset:offset + count]
+                         .cpu())
+        layers.append(torch.cat(parts, dim=2))
+    return torch.stack(layers, dim=1).numpy().tobytes()
 
 
 def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],

@@ -22,11 +22,11 @@ def default_transport() -> str:
     return "nixl"
 
 
-def make_sender(transport: str, engine_id: str, layout: KVLayout, kv_caches: list) -> KVSender:
+def make_sender(transport: str, engine_id: str, layout: KVLayout, rank_caches: list) -> KVSender:
     if transport == "nixl":
         from .nixl_connector import NixlConnector
 
-        return NixlConnector(engine_id, layout, kv_caches)
+        return NixlConnector(engine_id, layout, rank_caches)
     if transport == "grpc":
         from .grpc_stream import GrpcStreamSender
 
@@ -34,17 +34,19 @@ def make_sender(transport: str, engine_id: str, layout: KVLayout, kv_caches: lis
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")
 
 
-def make_receiver(transport: str, engine_id: str, layout: KVLayout, kv_caches: list,
+def make_receiver(transport: str, engine_id: str, layout: KVLayout, rank_caches: list,
                   fetch: Fetch | None = None) -> KVReceiver:
-    """`fetch(handle, block_ids)` yields block bytes; the gRPC transport needs it."""
+    """`fetch(handle, block_ids, heads)` yields block bytes; the gRPC transport needs it.
+    `rank_caches` is every tensor-parallel rank's layer tensors (`[rank][layer]`), here
+    and in make_sender."""
     if transport == "nixl":
         from .nixl_connector import NixlConnector
 
-        return NixlConnector(engine_id, layout, kv_caches)
+        return NixlConnector(engine_id, layout, rank_caches)
     if transport == "grpc":
         from .grpc_stream import GrpcStreamReceiver
 
         if fetch is None:
             raise ValueError("the gRPC transport needs a fetch function")
-        return GrpcStreamReceiver(layout, kv_caches, fetch)
+        return GrpcStreamReceiver(layout, rank_caches, fetch)
     raise ValueError(f"unknown KV transport {transport!r} (nixl or grpc)")

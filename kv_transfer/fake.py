@@ -1,13 +1,16 @@
 """An in-memory connector for tests only (production code never imports it): peers are
 engines in the same process, found by engine id, and a load copies blocks when polled,
 unless `hold` keeps it in flight. `fail` makes the next loads fail, to test the error
-paths."""
+paths. Each local tensor-parallel rank takes its heads from whichever of the peer's ranks
+hold them (blocks.read_heads), as the gRPC stream does."""
 
 from __future__ import annotations
 
 import threading
 
 import torch
+
+import baton.kernels.kv_layout as kv_layout
 
 from .base import (
     KVHandle,
@@ -17,30 +20,33 @@ from .base import (
     TransferState,
     check_caches,
 )
-from .blocks import read_blocks, write_blocks
+from .blocks import read_heads, write_blocks
+from .head_map import head_runs
 
-_registry: dict[str, list[torch.Tensor]] = {}
+_registry: dict[str, list[list[torch.Tensor]]] = {}  # engine id -> its [rank][layer] caches
 _lock = threading.Lock()
 
 
 class FakeConnector(KVSender, KVReceiver):
-    def __init__(self, engine_id: str, layout: KVLayout, kv_caches: list[torch.Tensor]):
+    def __init__(self, engine_id: str, layout: KVLayout,
+                 rank_caches: list[list[torch.Tensor]]):
         self.engine_id = engine_id
         self.layout = layout
-        self.kv_caches = kv_caches
-        self.num_blocks = check_caches(layout, kv_caches)
+        self.rank_caches = rank_caches
+        self.num_blocks = check_caches(layout, rank_caches)
+        self.pulled_bytes = [0] * layout.tp_size  # per local rank, over every load
         self.fail: str | None = None  # set to a reason to fail every load from now on
         self.hold = False  # while True, every load stays in flight
         self._peers: set[str] = set()
         self._pending: dict[str, tuple[str, list[int], list[int]]] = {}
         with _lock:
-            _registry[engine_id] = kv_caches
+            _registry[engine_id] = rank_caches
 
     def metadata(self) -> bytes:
         return self.engine_id.encode()
 
     def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
-        self.layout.check_compatible(layout)
+        head_runs(self.layout, layout)  # IncompatibleLayout unless the heads map
         self._peers.add(engine_id)
 
     def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
@@ -64,7 +70,12 @@ class FakeConnector(KVSender, KVReceiver):
             return TransferState.FAILED, f"unknown peer {engine_id!r}"
         if len(remote) != len(local):
             return TransferState.FAILED, "remote and local block lists differ in length"
-        write_blocks(self.kv_caches, local, read_blocks(src, remote))
+        heads = self.layout.num_kv_heads
+        for rank, caches in enumerate(self.rank_caches):
+            data = read_heads(src, heads, remote,
+                              kv_layout.rank_heads(heads, self.layout.tp_size, rank))
+            write_blocks(caches, local, data)
+            self.pulled_bytes[rank] += len(data)
         return TransferState.SUCCESS, None
 
     def close(self) -> None:

@@ -1,11 +1,14 @@
 """The fallback connector for hosts without NIXL: block bytes streamed over gRPC.
 
 The transport is a function the decode worker passes in (kv_transfer stays free of RPC
-stubs): `fetch(handle, remote_block_ids)` yields the bytes of those blocks in the order of
-kv_transfer/blocks.py. The decode worker's fetch calls the prefill worker's ReadKvBlocks,
-which serves only blocks held under the handle's lease, before and after the read. Loads
-run on a small thread pool; the engine only polls. Each message's whole blocks go into
-the cache as it arrives: a pull never sits in memory whole.
+stubs): `fetch(handle, remote_block_ids, heads)` yields the bytes of those blocks, for
+the global KV heads `heads` only, in the order of kv_transfer/blocks.py. The decode
+worker's fetch calls the prefill worker's ReadKvBlocks, which serves only blocks held
+under the handle's lease, before and after the read, and gathers the heads from whichever
+of its tensor-parallel ranks hold them. A load pulls once per local rank, that rank's
+heads (kv_layout.rank_heads), into that rank's caches: one pull of every head without
+tensor parallelism. Loads run on a small thread pool; the engine only polls. Each
+message's whole blocks go into the cache as it arrives: a pull never sits in memory whole.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+import baton.kernels.kv_layout as kv_layout
+
 from .base import (
     KVHandle,
     KVLayout,
@@ -25,8 +30,9 @@ from .base import (
     check_caches,
 )
 from .blocks import write_blocks
+from .head_map import head_runs, rank_block_bytes
 
-Fetch = Callable[[KVHandle, list[int]], Iterable[bytes]]
+Fetch = Callable[[KVHandle, list[int], range], Iterable[bytes]]
 
 
 class GrpcStreamSender(KVSender):
@@ -37,11 +43,13 @@ class GrpcStreamSender(KVSender):
 
 
 class GrpcStreamReceiver(KVReceiver):
-    def __init__(self, layout: KVLayout, kv_caches: list[torch.Tensor], fetch: Fetch,
+    def __init__(self, layout: KVLayout, rank_caches: list[list[torch.Tensor]], fetch: Fetch,
                  num_threads: int = 2):
         self.layout = layout
-        self.kv_caches = kv_caches
-        self.num_blocks = check_caches(layout, kv_caches)
+        self.rank_caches = rank_caches
+        self.num_blocks = check_caches(layout, rank_caches)
+        # Bytes pulled per local rank, over every load (counted as they land).
+        self.pulled_bytes = [0] * layout.tp_size
         self._fetch = fetch
         self._peers: set[str] = set()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="kv-grpc")
@@ -49,7 +57,7 @@ class GrpcStreamReceiver(KVReceiver):
         self._lock = threading.Lock()
 
     def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
-        self.layout.check_compatible(layout)
+        head_runs(self.layout, layout)  # IncompatibleLayout unless the heads map
         self._peers.add(engine_id)
 
     def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
@@ -66,8 +74,15 @@ class GrpcStreamReceiver(KVReceiver):
             raise ValueError("remote and local block lists differ in length")
         if any(not 0 < b < self.num_blocks for b in local):
             raise ValueError(f"local block ids out of range (1..{self.num_blocks - 1})")
-        size, pending, done = self.layout.block_bytes, bytearray(), 0
-        for chunk in self._fetch(handle, remote):
+        for rank in range(self.layout.tp_size):
+            self._load_rank(rank, handle, remote, local)
+
+    def _load_rank(self, rank: int, handle: KVHandle, remote: list[int],
+                   local: list[int]) -> None:
+        heads = kv_layout.rank_heads(self.layout.num_kv_heads, self.layout.tp_size, rank)
+        caches = self.rank_caches[rank]
+        size, pending, done = rank_block_bytes(self.layout, rank), bytearray(), 0
+        for chunk in self._fetch(handle, remote, heads):
             pending += chunk
             whole = len(pending) // size
             if not whole:
@@ -77,11 +92,13 @@ class GrpcStreamReceiver(KVReceiver):
             cut = whole * size
             data, pending = ((pending, bytearray()) if cut == len(pending)
                              else (pending[:cut], pending[cut:]))
-            write_blocks(self.kv_caches, local[done:done + whole], data)
+            write_blocks(caches, local[done:done + whole], data)
             done += whole
+            with self._lock:
+                self.pulled_bytes[rank] += cut
         if pending or done != len(local):
-            raise ValueError(f"got {done * size + len(pending)} bytes for {len(local)} "
-                             f"blocks of {size} bytes")
+            raise ValueError(f"rank {rank}: got {done * size + len(pending)} bytes for "
+                             f"{len(local)} blocks of {size} bytes")
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         with self._lock:

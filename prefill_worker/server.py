@@ -131,7 +131,7 @@ def serve(config: WorkerConfig) -> None:
     security = Security.of(config)
     engine = make_engine(config.engine, config.threads)
     sender = make_sender(transport, config.engine_id, engine.kv_layout,
-                         engine.kv_caches)
+                         engine.rank_kv_caches)
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_PrefillServiceServicer_to_server(

@@ -42,7 +42,7 @@ from .tp_ranks import Ranks
 
 log = logging.getLogger(__name__)
 
-# Builds the decode role's receiver over this engine's KV caches: (layout, caches).
+# Builds the decode role's receiver over this engine's KV caches: (layout, rank caches).
 ReceiverFactory = Callable[[KVLayout, list], KVReceiver]
 
 
@@ -61,7 +61,7 @@ class LLMEngine:
         self.sampling_defaults, self.runner = built.sampling_defaults, built.runner
         self.max_model_len, self.kv_layout = built.max_model_len, built.kv_layout
         num_blocks = built.num_blocks
-        receiver = kv_receiver(self.kv_layout, self.kv_caches) if kv_receiver else None
+        receiver = kv_receiver(self.kv_layout, self.rank_kv_caches) if kv_receiver else None
         # What the routers poll to learn which prefixes this engine holds (KV events).
         self.kv_events = KvEventLog()
         self.pool = BlockPool(num_blocks, self.kv_events)

@@ -16,14 +16,16 @@ def layout_message(layout: KVLayout) -> wk.KvLayout:
     return wk.KvLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                        head_dim=layout.head_dim, fingerprint=layout.fingerprint,
-                       cache_layout=layout.cache_layout, kv_scales=layout.kv_scales)
+                       cache_layout=layout.cache_layout, kv_scales=layout.kv_scales,
+                       tp_size=layout.tp_size)
 
 
 def layout_from_message(msg: wk.KvLayout) -> KVLayout:
+    """A peer from before tp_size sends 0: it runs one rank."""
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
                     num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
                     head_dim=msg.head_dim, cache_layout=msg.cache_layout,
-                    kv_scales=msg.kv_scales)
+                    kv_scales=msg.kv_scales, tp_size=msg.tp_size or 1)
 
 
 def model_info_message(info: ModelInfo) -> gen.ModelInfo:

@@ -1,14 +1,14 @@
 """WorkerService, on every worker: its load and state for the router (from the engine
 thread's snapshot, never the live engine), the blocks its prefix cache holds (KV events,
 from a log the engine thread writes under a lock), and leased KV blocks as bytes for the
-gRPC fallback transport."""
+gRPC fallback transport (the heads asked for, from every tensor-parallel rank's caches)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from baton.kernels import kv_layout
-from baton.kv_transfer.blocks import read_blocks
+from baton.kv_transfer.blocks import read_heads
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
@@ -29,8 +29,9 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         self.engine_id = engine_id
         self.role = role
         self.lifecycle = lifecycle
-        self.kv_caches = engine.kv_caches
-        self.num_blocks = kv_layout.num_blocks(engine.kv_caches[0])
+        self.rank_caches = engine.rank_kv_caches  # [rank][layer]
+        self.num_blocks = kv_layout.num_blocks(self.rank_caches[0][0])
+        self.num_kv_heads = engine.kv_layout.num_kv_heads
         self.layout = layout_message(engine.kv_layout)
         self.model_info = model_info_message(engine.model_info)
 
@@ -73,17 +74,25 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
     async def ReadKvBlocks(self, request, context):
         """The blocks held under lease `lease_id` of `request_id`, checked before the
         read and again after it (a lease that ended meanwhile fails the read: its bytes
-        may be another request's)."""
+        may be another request's); the heads asked for, every head when none are."""
         ids = list(request.block_ids)
         if any(not 0 < b < self.num_blocks for b in ids):
             raise InvalidArgument(f"block_ids: must be in 1..{self.num_blocks - 1}")
         if not request.request_id or not request.lease_id:
             raise InvalidArgument("request_id and lease_id: both are required")
+        heads = range(self.num_kv_heads)
+        if request.head_count:
+            heads = range(request.head_start, request.head_start + request.head_count)
+            if heads.start < 0 or heads.stop > self.num_kv_heads or not heads:
+                raise InvalidArgument(f"head_start, head_count: heads {heads.start}.."
+                                      f"{heads.stop - 1} are not among the "
+                                      f"{self.num_kv_heads} KV heads")
         self._check_leased(request.request_id, request.lease_id, ids, "before")
         for i in range(0, len(ids), READ_CHUNK_BLOCKS):
             chunk = ids[i:i + READ_CHUNK_BLOCKS]
             # Off the event loop: a long prompt is tens of MB to gather.
-            data = await asyncio.to_thread(read_blocks, self.kv_caches, chunk)
+            data = await asyncio.to_thread(read_heads, self.rank_caches, self.num_kv_heads,
+                                           chunk, heads)
             yield wk.ReadKvBlocksResponse(data=data)
         self._check_leased(request.request_id, request.lease_id, ids, "after")
 

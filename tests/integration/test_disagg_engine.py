@@ -46,7 +46,7 @@ def pair(make_llm, tiny_model):
         return p.release_lease(h.request_id, h.lease_id)
 
     d = make_llm(model=model, dtype="float32", kv_receiver=receiver).engine
-    sender = FakeConnector("prefill-0", p.kv_layout, p.kv_caches)
+    sender = FakeConnector("prefill-0", p.kv_layout, p.rank_kv_caches)
     made["fake"].add_peer("prefill-0", p.kv_layout, sender.metadata())
     yield p, d, made["fake"]
     sender.close()

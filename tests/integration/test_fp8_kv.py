@@ -58,7 +58,8 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prompt(fp8, make_llm, tiny_
 def _fetch_from(p):
     """The gRPC stream's fetch, in process: the blocks' bytes (kv_transfer/blocks.py) in
     uneven messages, as ReadKvBlocks streams them."""
-    def fetch(handle: KVHandle, block_ids: list[int]):
+    def fetch(handle: KVHandle, block_ids: list[int], heads: range):
+        assert heads == range(p.kv_layout.num_kv_heads)  # one rank: every head
         data = read_blocks(p.kv_caches, block_ids)
         step = max(1, p.kv_layout.block_bytes * 2 // 3)
         for i in range(0, len(data), step):

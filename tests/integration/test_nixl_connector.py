@@ -65,7 +65,7 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 def _sender_main(conn, engine_id: str, layout: KVLayout, num_blocks: int, seed: int) -> None:
     torch.manual_seed(seed)
     caches = _caches(layout, num_blocks, random=True)
-    connector = NixlConnector(engine_id, layout, caches)
+    connector = NixlConnector(engine_id, layout, [caches])
     conn.send((connector.metadata(), [_raw(t).copy() for t in caches]))
     with contextlib.suppress(EOFError):
         conn.recv()  # "exit", or EOF when the test process goes away
@@ -113,7 +113,7 @@ def peer(request):
 @contextlib.contextmanager
 def _receiver(layout: KVLayout):
     caches = _caches(layout, RECEIVER_BLOCKS, random=False)
-    connector = NixlConnector(f"receiver-{uuid.uuid4().hex[:8]}", layout, caches)
+    connector = NixlConnector(f"receiver-{uuid.uuid4().hex[:8]}", layout, [caches])
     try:
         yield connector, caches
     finally:
@@ -252,7 +252,7 @@ def test_idle_connector_does_not_burn_a_core():
                       head_dim=8)
     caches = [torch.zeros(kv_layout.shape(4, 2, 16, 8)) for _ in range(2)]
     before = set(_threads())
-    connector = NixlConnector(f"idle-{uuid.uuid4().hex[:8]}", layout, caches)
+    connector = NixlConnector(f"idle-{uuid.uuid4().hex[:8]}", layout, [caches])
     try:
         t0, c0 = time.monotonic(), _threads()
         time.sleep(1.0)  # its threads' chance to spin

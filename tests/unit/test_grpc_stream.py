@@ -44,14 +44,14 @@ def test_blocks_land_where_asked_whatever_the_chunking_each_as_it_arrives():
     cuts = [0, size // 3, size + 5, 3 * size, len(data)]  # mid-block and whole-block cuts
     landed: list[list[int]] = []  # per message: which local blocks hold their bytes by then
 
-    def fetch(handle, block_ids):
-        assert block_ids == remote
+    def fetch(handle, block_ids, heads):
+        assert block_ids == remote and heads == range(LAYOUT.num_kv_heads)
         for a, b in zip(cuts, cuts[1:], strict=False):
             landed.append([d for d, r in zip(local, remote, strict=True)
                            if torch.equal(dest[0][d], source[0][r])])  # block d, layer 0
             yield data[a:b]
 
-    receiver = GrpcStreamReceiver(LAYOUT, dest, fetch)
+    receiver = GrpcStreamReceiver(LAYOUT, [dest], fetch)
     try:
         assert _pull(receiver, remote, local) == (TransferState.SUCCESS, None)
     finally:
@@ -66,11 +66,11 @@ def test_blocks_land_where_asked_whatever_the_chunking_each_as_it_arrives():
 def test_a_stream_of_the_wrong_size_fails_the_pull():
     source = _caches(2)
     for extra in (b"", b"x" * 7, read_blocks(source, [1])):
-        def fetch(handle, block_ids, extra=extra):
+        def fetch(handle, block_ids, heads, extra=extra):
             data = read_blocks(source, block_ids)
             yield data[:-5] if not extra else data + extra
 
-        receiver = GrpcStreamReceiver(LAYOUT, _caches(None), fetch)
+        receiver = GrpcStreamReceiver(LAYOUT, [_caches(None)], fetch)
         try:
             state, error = _pull(receiver, [1, 2], [3, 4])
         finally:

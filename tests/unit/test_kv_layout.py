@@ -116,7 +116,7 @@ def test_the_layout_names_the_cache_order_and_a_peer_with_another_is_refused():
 def test_caches_in_another_shape_are_refused():
     layout = _layout()
     good = [torch.zeros(kv_layout.shape(BLOCKS, HEADS, BS, D)) for _ in range(2)]
-    assert check_caches(layout, good) == BLOCKS
+    assert check_caches(layout, [good]) == BLOCKS
     head_major = [torch.zeros(2, HEADS, BLOCKS, BS, D) for _ in range(2)]
     with pytest.raises(ValueError, match="does not match"):
-        check_caches(layout, head_major)
+        check_caches(layout, [head_major])

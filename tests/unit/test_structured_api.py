@@ -348,7 +348,7 @@ def test_get_stats_carries_the_spec_decode_counters():
     from baton.services.worker.worker_service import WorkerServicer
 
     engine = SimpleNamespace(
-        kv_caches=[SimpleNamespace(shape=kv_layout.shape(8, 1, 16, 8))],
+        rank_kv_caches=[[SimpleNamespace(shape=kv_layout.shape(8, 1, 16, 8))]],
         kv_layout=KVLayout("m", "float32", 16, 2, 1, 8),
         model_info=ModelInfo("m", "LlamaForCausalLM", 64, 100, (2,), 16, "float32"))
     stats = EngineStats(num_blocks=8, num_free_blocks=8, num_generation_tokens=20, **SPEC)

@@ -18,7 +18,7 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "fingerprint", "cache_layout", "kv_scales")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "fingerprint", "cache_layout", "kv_scales", "tp_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class KvLayout(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -37,7 +38,8 @@ class KvLayout(_message.Message):
     fingerprint: str
     cache_layout: str
     kv_scales: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ..., cache_layout: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ..., cache_layout: _Optional[str] = ..., kv_scales: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("engine_id", "request_id", "lease_id", "block_ids", "num_tokens", "fingerprint", "lease_s")
@@ -264,14 +266,18 @@ class UnloadLoraResponse(_message.Message):
     def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
 
 class ReadKvBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "block_ids")
+    __slots__ = ("request_id", "lease_id", "block_ids", "head_start", "head_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    head_start: int
+    head_count: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
 
 class ReadKvBlocksResponse(_message.Message):
     __slots__ = ("data",)
