@@ -19,7 +19,7 @@ from baton.services.rpc.server import Lifecycle, method_name
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
 from baton.services.worker.metrics import WorkerMetrics
-from baton.services.worker.runtime import make_engine
+from baton.services.worker.runtime import make_engine, watch_ranks
 from baton.services.worker.worker_service import WorkerServicer
 from baton.v1 import generation_pb2 as gen
 
@@ -32,6 +32,7 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
                             engine.kv_layout.block_bytes,  # served with the router's
                             engine.model_info.served_model_name)
     metrics.watch(aengine)
+    watch_ranks(aengine)  # a tensor-parallel rank gone: the service stops
     lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
 
     async def main():

@@ -45,12 +45,20 @@ def make_engine(config: EngineConfig, threads: int | None,
 RANK_DEATH_GRACE_S = 2.0  # NOT_SERVING and every request failed, then the worker stops
 
 
-def _rank_died(aengine: AsyncEngine, why: str) -> None:
-    """A tensor-parallel rank is gone: health turns NOT_SERVING, every request ends with
-    the engine-failed error (the router moves it as from a dead worker), and the worker
-    stops (SIGTERM to itself: the drain finds nothing left) for its supervisor to restart."""
-    aengine.die(why)
-    threading.Timer(RANK_DEATH_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+def watch_ranks(aengine: AsyncEngine) -> None:
+    """Once a tensor-parallel rank is gone: health turns NOT_SERVING, every request ends
+    with the engine-failed error (the router moves it as from a dead worker), and the
+    worker stops (SIGTERM to itself: the drain finds nothing left) for its supervisor to
+    restart. Nothing to watch on one rank."""
+    ranks = aengine.engine.ranks
+    if ranks is None:
+        return
+
+    def died(why: str) -> None:
+        aengine.die(why)
+        threading.Timer(RANK_DEATH_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    ranks.group.on_death(died)
 
 
 def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
@@ -72,8 +80,7 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
                             engine.kv_layout.block_bytes, engine.model_info.served_model_name)
     metrics.watch(aengine)
-    if engine.ranks is not None:
-        engine.ranks.group.on_death(lambda why: _rank_died(aengine, why))
+    watch_ranks(aengine)
     metrics.serve(svc)
     work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
     lifecycle = Lifecycle((method_name(wk, service, work),))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-from baton.kernels import kv_layout
 from baton.kv_transfer.blocks import read_heads
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
@@ -29,8 +28,7 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         self.engine_id = engine_id
         self.role = role
         self.lifecycle = lifecycle
-        self.rank_caches = engine.rank_kv_caches  # [rank][layer]
-        self.num_blocks = kv_layout.num_blocks(self.rank_caches[0][0])
+        self.num_blocks = engine.pool.num_blocks
         self.num_kv_heads = engine.kv_layout.num_kv_heads
         self.layout = layout_message(engine.kv_layout)
         self.model_info = model_info_message(engine.model_info)
@@ -88,10 +86,14 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
                                       f"{heads.stop - 1} are not among the "
                                       f"{self.num_kv_heads} KV heads")
         self._check_leased(request.request_id, request.lease_id, ids, "before")
+        try:  # every rank's caches, where this process maps them (tp_cache.py)
+            rank_caches = self.aengine.engine.rank_kv_caches
+        except ValueError as e:
+            raise FailedPrecondition(str(e)) from None
         for i in range(0, len(ids), READ_CHUNK_BLOCKS):
             chunk = ids[i:i + READ_CHUNK_BLOCKS]
             # Off the event loop: a long prompt is tens of MB to gather.
-            data = await asyncio.to_thread(read_heads, self.rank_caches, self.num_kv_heads,
+            data = await asyncio.to_thread(read_heads, rank_caches, self.num_kv_heads,
                                            chunk, heads)
             yield wk.ReadKvBlocksResponse(data=data)
         self._check_leased(request.request_id, request.lease_id, ids, "after")

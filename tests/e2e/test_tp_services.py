@@ -1,0 +1,112 @@
+"""Tensor-parallel workers as services: a prefill worker with TP=2 hands its KV to a decode
+worker with TP=1 over NIXL, and a TP=1 prefill worker to a TP=2 decode worker over the gRPC
+stream, each behind a router: the offline engine's greedy text, every block free and no
+lease left after. One worker spanning two "nodes" on loopback (--nnodes 2) serves the same
+text; a rank that dies takes its worker down (health NOT_SERVING, then the process ends),
+and a request to it ends with an error rather than hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.services.engine import SamplingParams
+from baton.v1 import generation_pb2 as gen
+from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
+from tests.e2e.topology import Topology, channel, free_port
+
+PROMPTS = ["The three primary colours are", "Paged KV blocks move between ranks. " * 6]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, tiny_model):
+    topo = Topology(tmp_path_factory.mktemp("tp"), tiny_model)
+    try:
+        p2 = topo.worker("prefill", "--kv-transport", "nixl", "--tensor-parallel-size", "2",
+                         wait=False)
+        d1 = topo.worker("decode", "--kv-transport", "nixl", wait=False)
+        p1 = topo.worker("prefill", "--kv-transport", "grpc", wait=False)
+        d2 = topo.worker("decode", "--kv-transport", "grpc", "--tensor-parallel-size", "2",
+                         wait=False)
+        nixl = topo.start("router", "--prefill", p2, "--decode", d1, wait=False)
+        grpc_router = topo.start("router", "--prefill", p1, "--decode", d2)
+        yield {"topology": topo, "nixl": (nixl, p2, d1), "grpc": (grpc_router, p1, d2)}
+    finally:
+        topo.stop()
+
+
+def _health(address: str) -> int:
+    try:
+        with channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=5).status
+    except grpc.RpcError:
+        return -1  # gone
+
+
+def _ranks(pid: int) -> list[int]:
+    """The processes a worker spawned for its ranks (not multiprocessing's tracker)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = [int(p) for p in path.read_text().split()] if path.exists() else []
+    return [k for k in kids
+            if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize("pair", ["nixl", "grpc"])
+def test_pd_between_tp_sizes_gives_the_offline_text(services, offline, pair):
+    router, prefill, decode = services[pair]
+    want = offline.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0))
+    before = stats(decode).num_blocks_pulled
+    for prompt, ref in zip(PROMPTS, want, strict=True):
+        msgs = until_served(router, gen.GenerateRequest(text=prompt, sampling=greedy(20)))
+        assert joined(msgs) == (ref.token_ids, ref.text)
+    assert stats(decode).num_blocks_pulled - before == sum(
+        -(-len(r.prompt_token_ids) // 16) for r in want)
+    assert all_free_within([prefill, decode], 5.0), (stats(prefill), stats(decode))
+
+
+def test_a_dead_rank_takes_its_worker_down_without_a_hang(services):
+    topo: Topology = services["topology"]
+    _, _, decode = services["grpc"]
+    worker = topo.process(decode)
+    ranks = _ranks(worker.pid)
+    assert ranks, "the TP=2 decode worker was meant to have started its rank 1"
+    os.kill(ranks[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _health(decode) == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "health stayed SERVING after a rank died"
+        time.sleep(0.05)
+    worker.wait(timeout=60)  # the worker stops itself
+
+
+def test_one_worker_over_two_nodes_on_loopback(tmp_path_factory, tiny_model, offline):
+    topo = Topology(tmp_path_factory.mktemp("nodes"), tiny_model)
+    meet = f"127.0.0.1:{free_port()}"
+    flags = ("--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-address",
+             meet)
+    try:
+        topo.start("colocated", *flags, "--node-rank", "1", healthy=False, wait=False)
+        address = topo.start("colocated", *flags, "--node-rank", "0")
+        want = offline.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
+        for prompt, ref in zip(PROMPTS, want, strict=True):
+            msgs = run(address, gen.GenerateRequest(text=prompt, sampling=greedy(16)))
+            assert joined(msgs) == (ref.token_ids, ref.text)
+        # Node 1 is a process of its own, not a child: its death shows at the next step.
+        node1 = topo.procs[0]
+        node1.send_signal(signal.SIGKILL)
+        node1.wait()
+        with pytest.raises(grpc.RpcError):
+            run(address, gen.GenerateRequest(text=PROMPTS[0], sampling=greedy(16)),
+                timeout=60)
+        deadline = time.monotonic() + 30
+        while _health(address) == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "health stayed SERVING after node 1 died"
+            time.sleep(0.05)
+    finally:
+        topo.stop()
