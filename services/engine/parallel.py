@@ -18,10 +18,13 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+# torch's stubs lack the backends' collectives and export no TCPStore: used untyped.
+_c10d: Any = dist
 IDLE_TIMEOUT = datetime.timedelta(days=30)  # a follower waits this long for a step
 
 
@@ -37,12 +40,13 @@ class TPGroup:
         self.dead: str | None = None  # set where a rank is known gone: nothing more runs
         self._on_death: list[Callable[[str], None]] = []
         # Rank 0 hosts the store; the others connect (and retry until it is up).
-        self.store = dist.TCPStore(host, int(port), size, rank == 0,
+        self.store = _c10d.TCPStore(host, int(port), size, rank == 0,
                                    timeout=datetime.timedelta(seconds=connect_timeout_s))
         if device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, size)
+            self.pg = _c10d.ProcessGroupNCCL(self.store, rank, size,
+                                             _c10d.ProcessGroupNCCL.Options())
         else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, size, IDLE_TIMEOUT)
+            self.pg = _c10d.ProcessGroupGloo(self.store, rank, size, IDLE_TIMEOUT)
 
     def on_death(self, fn: Callable[[str], None]) -> None:
         """Call `fn(why)` once a rank is known gone (now, if it is already)."""
@@ -118,6 +122,6 @@ class TPGroup:
 
 
 def _min_opts():
-    opts = dist.AllreduceOptions()
+    opts: Any = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
     return opts

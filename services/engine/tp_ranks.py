@@ -14,6 +14,7 @@ makes the next collective raise (parallel.RankDied): the worker then stops servi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -114,6 +115,13 @@ def follow(config: EngineConfig, rank: int, address: str, spawned: bool = True) 
     if spawned:
         _exit_with(os.getppid())
     from .build import load_runner  # the model's modules: only in the rank's process
+
+    if config.torch_device.type == "cuda":  # one GPU per rank of a host
+        import torch
+
+        local = rank % (config.tensor_parallel_size // config.nnodes)
+        config = dataclasses.replace(config, device=f"cuda:{local}")
+        torch.cuda.set_device(local)
 
     group = TPGroup(address, rank, config.tensor_parallel_size, config.torch_device)
     _, runner, _ = load_runner(config, group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from baton.kernels import kv_layout
 from baton.kv_transfer.blocks import read_heads
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
@@ -28,7 +29,11 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         self.engine_id = engine_id
         self.role = role
         self.lifecycle = lifecycle
-        self.num_blocks = engine.pool.num_blocks
+        try:  # every rank's caches, where this process maps them (tp_cache.py)
+            self.rank_caches: list | None = engine.rank_kv_caches  # [rank][layer]
+            self.num_blocks = kv_layout.num_blocks(self.rank_caches[0][0])
+        except ValueError as e:  # ranks on other hosts: serves, but hands out no KV
+            self.rank_caches, self.no_caches, self.num_blocks = None, str(e), 0
         self.num_kv_heads = engine.kv_layout.num_kv_heads
         self.layout = layout_message(engine.kv_layout)
         self.model_info = model_info_message(engine.model_info)
@@ -74,7 +79,7 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         read and again after it (a lease that ended meanwhile fails the read: its bytes
         may be another request's); the heads asked for, every head when none are."""
         ids = list(request.block_ids)
-        if any(not 0 < b < self.num_blocks for b in ids):
+        if self.rank_caches is not None and any(not 0 < b < self.num_blocks for b in ids):
             raise InvalidArgument(f"block_ids: must be in 1..{self.num_blocks - 1}")
         if not request.request_id or not request.lease_id:
             raise InvalidArgument("request_id and lease_id: both are required")
@@ -86,10 +91,8 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
                                       f"{heads.stop - 1} are not among the "
                                       f"{self.num_kv_heads} KV heads")
         self._check_leased(request.request_id, request.lease_id, ids, "before")
-        try:  # every rank's caches, where this process maps them (tp_cache.py)
-            rank_caches = self.aengine.engine.rank_kv_caches
-        except ValueError as e:
-            raise FailedPrecondition(str(e)) from None
+        if (rank_caches := self.rank_caches) is None:
+            raise FailedPrecondition(self.no_caches)
         for i in range(0, len(ids), READ_CHUNK_BLOCKS):
             chunk = ids[i:i + READ_CHUNK_BLOCKS]
             # Off the event loop: a long prompt is tens of MB to gather.
