@@ -56,3 +56,5 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
                   on_stop=stop, registries=[metrics.registry])
 
     asyncio.run(main())
+    if aengine.dead_since is not None:  # a rank died: a failure, for the supervisor
+        raise SystemExit(1)

@@ -49,8 +49,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights,
                  max_model_len: int, checkpoint: Path | None = None, tp: TPGroup | None = None):
         """`tp`: this rank's tensor-parallel group (None: one rank). Each rank builds its
-        own runner over its share of the weights (models/sharding.py); rank 0's also
-        schedules' steps reach the others through `run`."""
+        own runner over its share of the weights (models/sharding.py); rank 0's `run`
+        sends every step to the others, whose `forward` runs it (tp_ranks.follow)."""
         self.config = config
         self.model_config = model_config  # the whole model's
         self.tp = tp

@@ -3,7 +3,7 @@ GPU) over a TCPStore, made as an object rather than torch's process-wide default
 so one process may hold several engines (tests, offline runs) and each its own group.
 
 Rank 0 is the engine: it schedules, samples and sends every step's inputs
-(`send`); the other ranks (services/engine/tp_follower.py) receive them (`recv`) and run
+(`send`); the other ranks (services/engine/tp_ranks.py, `follow`) receive them (`recv`) and run
 the same forward pass on their slice of the heads and the MLP. Inside the model the ranks
 meet in `all_reduce` (after each row-parallel projection and the vocab-parallel
 embedding) and `gather_vocab` (the LM head's logits, on rank 0).

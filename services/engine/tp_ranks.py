@@ -114,14 +114,19 @@ def follow(config: EngineConfig, rank: int, address: str, spawned: bool = True) 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     if spawned:
         _exit_with(os.getppid())
+    import torch
+
     from .build import load_runner  # the model's modules: only in the rank's process
 
+    per_node = config.tensor_parallel_size // config.nnodes
     if config.torch_device.type == "cuda":  # one GPU per rank of a host
-        import torch
-
-        local = rank % (config.tensor_parallel_size // config.nnodes)
+        local = rank % per_node
         config = dataclasses.replace(config, device=f"cuda:{local}")
         torch.cuda.set_device(local)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # The host's cores shared among its ranks (rank 0 keeps its process's setting,
+        # --threads): more threads than cores make every rank wait for the slowest.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // per_node))
 
     group = TPGroup(address, rank, config.tensor_parallel_size, config.torch_device)
     _, runner, _ = load_runner(config, group)

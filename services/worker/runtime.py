@@ -111,3 +111,5 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
                            idle=lambda: aengine.stats.idle, on_start=start,
                            on_stop=stop, grace_s=svc.drain_grace,
                            credentials=security.server_credentials(public=False)))
+    if aengine.dead_since is not None:  # a rank died: a failure, for the supervisor
+        raise SystemExit(1)

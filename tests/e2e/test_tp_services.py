@@ -82,7 +82,7 @@ def test_a_dead_rank_takes_its_worker_down_without_a_hang(services):
     while _health(decode) == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "health stayed SERVING after a rank died"
         time.sleep(0.05)
-    worker.wait(timeout=60)  # the worker stops itself
+    assert worker.wait(timeout=60) != 0, "the worker was meant to stop itself, failed"
 
 
 def test_one_worker_over_two_nodes_on_loopback(tmp_path_factory, tiny_model, offline):

@@ -2,10 +2,14 @@
 TP=1, and the bytes each decode rank pulls when prefill and decode differ in TP size.
 
     python -m baton.tools.bench.tp [--workloads w1,w3] [--tp 1,3] [--rounds 2]
+    python -m baton.tools.bench.tp --heads 12:4 --tp 1,2   # the same sizes, 12 heads
     python -m baton.tools.bench.tp --handoff 3:1,1:3 [--requests 16]
 
 The default model (SmolLM2-135M: 9 heads, 3 KV heads) splits over 3 or 9 ranks, not 2;
-`--model` takes another. Every TP size keeps one engine for the whole run, and the sizes
+`--model` takes another, and `--heads Q:KV` builds one of the default model's sizes (576
+wide, 30 layers, MLP 1536, vocabulary 49152) with Q heads and KV heads of 576/Q, its
+weights random (load_format dummy: the timing of the shapes, not of the outputs).
+Every TP size keeps one engine for the whole run, and the sizes
 run in alternating rounds (each keeps its best round). Per step it reports rank 0's time
 in the group's calls: `send` (the step's inputs to the other ranks) and the collectives
 inside the model (all-reduce and the logits' gather, waits for slower ranks included).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 import time
 from collections import defaultdict
 
@@ -70,9 +75,26 @@ def run(llm: LLM, wl) -> tuple[float, int, float, dict[str, float]]:
     return produced / elapsed, steps, elapsed, dict(SPENT)
 
 
+def same_sizes(heads: str, folder: str) -> dict:
+    """LLM kwargs for the default model's sizes with other head counts, random weights."""
+    from transformers import LlamaConfig
+
+    from baton.services.common.default_model import default_model_path
+
+    q, kv = (int(x) for x in heads.split(":"))
+    LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=q, num_key_value_heads=kv, vocab_size=49152,
+                max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                torch_dtype="bfloat16").save_pretrained(folder)
+    return {"model": folder, "tokenizer": str(default_model_path()), "load_format": "dummy"}
+
+
 def throughput(args) -> None:
     sizes = [int(x) for x in args.tp.split(",")]
-    llms = {n: LLM(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+    model = {"model": args.model}
+    if args.heads:
+        model = same_sizes(args.heads, tempfile.mkdtemp(prefix="baton-tp-bench-"))
+    llms = {n: LLM(**model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                    tensor_parallel_size=n) for n in sizes}
     first = llms[sizes[0]]
     print(machine_line(first.engine.model_config, getattr(torch, args.dtype)), flush=True)
@@ -155,6 +177,8 @@ def main() -> None:
     ap.add_argument("--tp", default="1,3", help="TP sizes; the first is the baseline")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--heads", default=None,
+                    help="Q:KV: the default model's sizes with these head counts, random")
     ap.add_argument("--handoff", default=None,
                     help="prefill:decode TP pairs, e.g. 3:1,1:3 (bytes per decode rank)")
     args = ap.parse_args()
