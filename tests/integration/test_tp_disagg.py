@@ -6,8 +6,6 @@ TP=2.)"""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from baton.kv_transfer.base import KVHandle
@@ -16,6 +14,7 @@ from baton.kv_transfer.grpc_stream import GrpcStreamReceiver
 from baton.kv_transfer.head_map import rank_block_bytes
 from baton.kv_transfer.lease_check import LeaseCheckedReceiver
 from baton.services.engine import SamplingParams
+from tests.integration.engine_helpers import run_steps
 
 PROMPTS = ["The capital of France is",
            "Paged KV blocks move between workers of different sizes. " * 4,
@@ -68,16 +67,6 @@ def _pair(make_llm, tiny_model, p_tp: int, d_tp: int, transport: str):
     return p, d, made["r"], sender
 
 
-def _drain(engine) -> dict[str, list]:
-    outs: dict[str, list] = {}
-    deadline = time.monotonic() + 120
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the engine did not drain"
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
-
-
 @pytest.mark.parametrize("transport", ["grpc", "nixl"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_pd_between_tp_sizes_equals_one_engine(make_llm, tiny_model, want, p_tp, d_tp,
@@ -89,7 +78,7 @@ def test_pd_between_tp_sizes_equals_one_engine(make_llm, tiny_model, want, p_tp,
     assert p.kv_layout.fingerprint == d.kv_layout.fingerprint
     for i, prompt in enumerate(PROMPTS):
         p.add_request(prompt, PARAMS, request_id=f"r{i}", kv_hold=True)
-    firsts = {rid: outs[-1] for rid, outs in _drain(p).items()}
+    firsts = {rid: outs[-1] for rid, outs in run_steps(p)[0].items()}
     blocks = 0
     for rid, o in firsts.items():
         handle = KVHandle("prefill-0", rid, o.kv_lease_id, tuple(o.kv_block_ids),
@@ -98,7 +87,7 @@ def test_pd_between_tp_sizes_equals_one_engine(make_llm, tiny_model, want, p_tp,
         d.add_remote_request(o.prompt_token_ids, o.new_token_ids[0], handle, PARAMS,
                              request_id=rid)
         blocks += len(o.kv_block_ids)
-    outs = _drain(d)
+    outs, _ = run_steps(d)
     texts = [firsts[f"r{i}"].new_text + "".join(o.new_text for o in outs[f"r{i}"])
              for i in range(len(PROMPTS))]
     assert texts == want

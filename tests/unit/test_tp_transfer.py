@@ -84,13 +84,8 @@ def _pair(transport: str, heads: int, prefill_tp: int, decode_tp: int, dtype: st
                            before=before, layout=dst_layout, prefill_id=prefill_id)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
-@pytest.mark.parametrize("heads, prefill_tp, decode_tp", PAIRS)
-@pytest.mark.parametrize("transport", ["fake", "grpc"])
-def test_each_decode_rank_gets_exactly_its_heads(transport, heads, prefill_tp, decode_tp,
-                                                 dtype, monkeypatch):
-    monkeypatch.setattr(worker_service, "READ_CHUNK_BLOCKS", 3)  # several messages
-    p = _pair(transport, heads, prefill_tp, decode_tp, dtype)
+def _pulled(p):
+    """`p` after one pull of REMOTE into LOCAL, which must succeed; its connectors closed."""
     try:
         handle = KVHandle(p.prefill_id, LEASE[0], LEASE[1], tuple(REMOTE), 0)
         p.receiver.start_load("t", handle, REMOTE, LOCAL)
@@ -99,6 +94,16 @@ def test_each_decode_rank_gets_exactly_its_heads(transport, heads, prefill_tp, d
         for c in (p.sender, p.receiver):
             if c is not None:
                 c.close()
+    return p
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("heads, prefill_tp, decode_tp", PAIRS)
+@pytest.mark.parametrize("transport", ["fake", "grpc"])
+def test_each_decode_rank_gets_exactly_its_heads(transport, heads, prefill_tp, decode_tp,
+                                                 dtype, monkeypatch):
+    monkeypatch.setattr(worker_service, "READ_CHUNK_BLOCKS", 3)  # several messages
+    p = _pulled(_pair(transport, heads, prefill_tp, decode_tp, dtype))
     assert_pulled(p.layout, p.dest, p.before, p.source, REMOTE, LOCAL)
     assert p.receiver.pulled_bytes == [slice_bytes(p.layout, r, len(REMOTE))
                                        for r in range(decode_tp)]
@@ -122,14 +127,6 @@ def test_read_kv_blocks_gathers_a_head_range_across_ranks_and_every_head_by_defa
 
 @pytest.mark.parametrize("transport", ["fake", "grpc"])
 def test_equal_sizes_of_one_rank_move_whole_blocks_as_before(transport):
-    p = _pair(transport, 4, 1, 1, "float32")
-    try:
-        handle = KVHandle(p.prefill_id, LEASE[0], LEASE[1], tuple(REMOTE), 0)
-        p.receiver.start_load("t", handle, REMOTE, LOCAL)
-        assert _wait(p.receiver, "t") == (TransferState.SUCCESS, None)
-    finally:
-        for c in (p.sender, p.receiver):
-            if c is not None:
-                c.close()
+    p = _pulled(_pair(transport, 4, 1, 1, "float32"))
     assert read_blocks(p.dest[0], LOCAL) == read_blocks(p.source, REMOTE)
     assert p.receiver.pulled_bytes == [len(REMOTE) * p.layout.block_bytes]
