@@ -30,6 +30,8 @@ from .parallel import RankDied, TPGroup
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 2.0  # an idle rank 0 pings the other ranks this often
+
 
 def init_address(config: EngineConfig) -> str:
     if config.distributed_init_address:
@@ -61,6 +63,7 @@ class Ranks:
         self.group = TPGroup(self.address, 0, config.tensor_parallel_size,
                              config.torch_device)
         self._stopping = False
+        self._last_beat = time.monotonic()
         threading.Thread(target=self._watch, daemon=True, name="tp-rank-watch").start()
 
     @staticmethod
@@ -79,6 +82,19 @@ class Ranks:
     @property
     def dead(self) -> str | None:
         return self.group.dead
+
+    def heartbeat(self) -> None:
+        """Between steps (the engine thread, idle): a no-op message at most every
+        HEARTBEAT_S, so a rank on another host that died is seen while no step runs (a
+        send to its closed socket fails; the group then calls its on_death hooks)."""
+        now = time.monotonic()
+        if self.dead is not None or now - self._last_beat < HEARTBEAT_S:
+            return
+        self._last_beat = now
+        try:
+            self.group.send(("ping",))
+        except RankDied:
+            pass  # the group is marked dead and its hooks ran
 
     def _watch(self) -> None:
         if not self.procs:
@@ -137,6 +153,8 @@ def follow(config: EngineConfig, rank: int, address: str, spawned: bool = True) 
                 runner.forward(args[0])
             elif kind == "allocate":
                 runner.allocate_kv_cache(*args)
+            elif kind == "ping":
+                continue
             elif kind == "weights":
                 runner.rank_weight_bytes()
             elif kind == "profile":

@@ -202,6 +202,9 @@ class AsyncEngine:
                 self.stats = engine.stats()
             if not engine.has_unfinished_requests():
                 engine.expire_leases()
+                ranks = getattr(engine, "ranks", None)
+                if ranks is not None:  # a rank on another host, gone while idle
+                    ranks.heartbeat()
                 self.stats = engine.stats()
                 self._wait(IDLE_WAIT_S)
                 continue

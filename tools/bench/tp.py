@@ -82,10 +82,11 @@ def same_sizes(heads: str, folder: str) -> dict:
     from baton.services.common.default_model import default_model_path
 
     q, kv = (int(x) for x in heads.split(":"))
-    LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                num_attention_heads=q, num_key_value_heads=kv, vocab_size=49152,
-                max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-                torch_dtype="bfloat16").save_pretrained(folder)
+    shape: dict = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=q, num_key_value_heads=kv, vocab_size=49152,
+                       max_position_embeddings=8192, rope_theta=100000.0,
+                       tie_word_embeddings=True, torch_dtype="bfloat16")
+    LlamaConfig(**shape).save_pretrained(folder)
     return {"model": folder, "tokenizer": str(default_model_path()), "load_format": "dummy"}
 
 
