@@ -2,8 +2,9 @@
 worker with TP=1 over NIXL, and a TP=1 prefill worker to a TP=2 decode worker over the gRPC
 stream, each behind a router: the offline engine's greedy text, every block free and no
 lease left after. One worker spanning two "nodes" on loopback (--nnodes 2) serves the same
-text; a rank that dies takes its worker down (health NOT_SERVING, then the process ends),
-and a request to it ends with an error rather than hanging."""
+text; a rank that dies takes its worker down (health NOT_SERVING, then the process ends
+non-zero) and the router moves its stream to another decode worker; over two nodes, a
+request ends with an error rather than hanging."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
-from tests.e2e.helpers import all_free_within, greedy, joined, run, stats, until_served
+from baton.v1 import generation_pb2_grpc as gen_grpc
+from tests.e2e.helpers import (
+    all_free_within,
+    greedy,
+    joined,
+    run,
+    running_worker,
+    stats,
+    stream_diff,
+    until_served,
+)
 from tests.e2e.topology import Topology, channel, free_port
 
 PROMPTS = ["The three primary colours are", "Paged KV blocks move between ranks. " * 6]
@@ -34,9 +45,14 @@ def services(tmp_path_factory, tiny_model):
         p1 = topo.worker("prefill", "--kv-transport", "grpc", wait=False)
         d2 = topo.worker("decode", "--kv-transport", "grpc", "--tensor-parallel-size", "2",
                          wait=False)
+        spare = topo.worker("decode", "--kv-transport", "grpc", wait=False)
         nixl = topo.start("router", "--prefill", p2, "--decode", d1, wait=False)
-        grpc_router = topo.start("router", "--prefill", p1, "--decode", d2)
-        yield {"topology": topo, "nixl": (nixl, p2, d1), "grpc": (grpc_router, p1, d2)}
+        grpc_router = topo.start("router", "--prefill", p1, "--decode", d2, wait=False)
+        # Both decode workers: where the TP=2 one's requests move when a rank dies.
+        both = topo.start("router", "--prefill", p1, "--decode", d2, "--decode", spare,
+                          "--worker-timeout", "60")
+        yield {"topology": topo, "nixl": (nixl, p2, d1), "grpc": (grpc_router, p1, d2),
+               "both": both, "d2": d2, "spare": spare}
     finally:
         topo.stop()
 
@@ -71,15 +87,38 @@ def test_pd_between_tp_sizes_gives_the_offline_text(services, offline, pair):
     assert all_free_within([prefill, decode], 5.0), (stats(prefill), stats(decode))
 
 
-def test_a_dead_rank_takes_its_worker_down_without_a_hang(services):
+def test_a_dead_rank_takes_its_worker_down_and_the_router_moves_its_stream(services,
+                                                                           offline):
+    """A long stream decoding on the TP=2 worker when its rank 1 is killed: the worker
+    turns NOT_SERVING and exits non-zero, and the router hands the stream to the other
+    decode worker: the client still gets the offline text, whole."""
     topo: Topology = services["topology"]
-    _, _, decode = services["grpc"]
-    worker = topo.process(decode)
-    ranks = _ranks(worker.pid)
-    assert ranks, "the TP=2 decode worker was meant to have started its rank 1"
-    os.kill(ranks[0], signal.SIGKILL)
+    n = 600
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    worker = topo.process(services["d2"])
+    for attempt in range(8):  # until the router puts one on the TP=2 worker
+        prompt = f"{attempt}: " + PROMPTS[1]
+        ref = offline.generate([prompt], params)[0]
+        req = gen.GenerateRequest(text=prompt, sampling=greedy(n, ignore_eos=True))
+        msgs, killed = [], []
+        with channel(services["both"]) as ch:
+            for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=180):
+                msgs.append(msg)
+                if len(msgs) == 6 and not killed:
+                    on = running_worker(services, ("d2", "spare"))
+                    if on != "d2":
+                        break
+                    ranks = _ranks(worker.pid)
+                    assert ranks, "the TP=2 decode worker was meant to run its rank 1"
+                    os.kill(ranks[0], signal.SIGKILL)
+                    killed.append(ranks[0])
+        if killed:
+            break
+    assert killed, "the router never put a request on the TP=2 decode worker"
+    assert joined(msgs) == (ref.token_ids, ref.text), stream_diff(msgs, ref.token_ids,
+                                                                  ref.text)
     deadline = time.monotonic() + 30
-    while _health(decode) == health_pb2.HealthCheckResponse.SERVING:
+    while _health(services["d2"]) == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "health stayed SERVING after a rank died"
         time.sleep(0.05)
     assert worker.wait(timeout=60) != 0, "the worker was meant to stop itself, failed"
