@@ -46,22 +46,28 @@ def init_address(config: EngineConfig) -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def per_node(config: EngineConfig) -> int:
+    return config.tensor_parallel_size // config.nnodes
+
+
+def spawn(config: EngineConfig, ranks: range, address: str) -> list[BaseProcess]:
+    """Processes following rank 0 as `ranks`, started."""
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = [
+        ctx.Process(target=follow, args=(config, rank, address), daemon=True,
+                    name=f"baton-tp-rank-{rank}") for rank in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
 class Ranks:
     """Rank 0's group and the ranks it spawned on its host."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.address = init_address(config)
-        per_node = config.tensor_parallel_size // config.nnodes
-        ctx = mp.get_context("spawn")
-        self.procs: list[BaseProcess] = [
-            ctx.Process(target=follow, args=(config, rank, self.address), daemon=True,
-                        name=f"baton-tp-rank-{rank}")
-            for rank in range(1, per_node)]
-        for p in self.procs:
-            p.start()
-        self.group = TPGroup(self.address, 0, config.tensor_parallel_size,
-                             config.torch_device)
+        address = init_address(config)
+        self.procs = spawn(config, range(1, per_node(config)), address)
+        self.group = TPGroup(address, 0, config.tensor_parallel_size, config.torch_device)
         self._stopping = False
         self._last_beat = time.monotonic()
         threading.Thread(target=self._watch, daemon=True, name="tp-rank-watch").start()
@@ -134,15 +140,14 @@ def follow(config: EngineConfig, rank: int, address: str, spawned: bool = True) 
 
     from .build import load_runner  # the model's modules: only in the rank's process
 
-    per_node = config.tensor_parallel_size // config.nnodes
     if config.torch_device.type == "cuda":  # one GPU per rank of a host
-        local = rank % per_node
+        local = rank % per_node(config)
         config = dataclasses.replace(config, device=f"cuda:{local}")
         torch.cuda.set_device(local)
     elif "OMP_NUM_THREADS" not in os.environ:
         # The host's cores shared among its ranks (rank 0 keeps its process's setting,
         # --threads): more threads than cores make every rank wait for the slowest.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // per_node))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // per_node(config)))
 
     group = TPGroup(address, rank, config.tensor_parallel_size, config.torch_device)
     _, runner, _ = load_runner(config, group)
@@ -185,14 +190,9 @@ def _exit_with(parent: int) -> None:
 
 def run_node(config: EngineConfig) -> None:
     """A node past 0 (`--node-rank k`): its ranks, until rank 0 stops them."""
-    per_node = config.tensor_parallel_size // config.nnodes
-    first = config.node_rank * per_node
+    first = config.node_rank * per_node(config)
     address = init_address(config)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follow, args=(config, rank, address), daemon=True)
-             for rank in range(first + 1, first + per_node)]
-    for p in procs:
-        p.start()
+    procs = spawn(config, range(first + 1, first + per_node(config)), address)
     try:
         follow(config, first, address, spawned=False)
     finally:

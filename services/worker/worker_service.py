@@ -29,11 +29,15 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         self.engine_id = engine_id
         self.role = role
         self.lifecycle = lifecycle
-        try:  # every rank's caches, where this process maps them (tp_cache.py)
-            self.rank_caches: list | None = engine.rank_kv_caches  # [rank][layer]
+        # Every rank's caches, where this process maps them (tp_cache.py); else why not
+        # (ranks on other hosts: the worker serves, but hands out no KV).
+        self.rank_caches: list | None = None  # [rank][layer]
+        self.num_blocks, self.no_caches = 0, ""
+        try:
+            self.rank_caches = engine.rank_kv_caches
             self.num_blocks = kv_layout.num_blocks(self.rank_caches[0][0])
-        except ValueError as e:  # ranks on other hosts: serves, but hands out no KV
-            self.rank_caches, self.no_caches, self.num_blocks = None, str(e), 0
+        except ValueError as e:
+            self.no_caches = str(e)
         self.num_kv_heads = engine.kv_layout.num_kv_heads
         self.layout = layout_message(engine.kv_layout)
         self.model_info = model_info_message(engine.model_info)

@@ -78,10 +78,18 @@ def _ranks(pid: int) -> list[int]:
 def test_pd_between_tp_sizes_gives_the_offline_text(services, offline, pair):
     router, prefill, decode = services[pair]
     want = offline.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0))
+    # A router may serve before its decode worker has paired with the prefill worker (the
+    # decode worker then computes the prompt): warm up until a request is handed over.
+    deadline = time.monotonic() + 60
+    while until_served(router, gen.GenerateRequest(text="warm up", sampling=greedy(2))
+                       )[-1].timings.local_prefill:
+        assert time.monotonic() < deadline, "the decode worker never pulled a prompt"
+        time.sleep(0.2)
     before = stats(decode).num_blocks_pulled
     for prompt, ref in zip(PROMPTS, want, strict=True):
         msgs = until_served(router, gen.GenerateRequest(text=prompt, sampling=greedy(20)))
         assert joined(msgs) == (ref.token_ids, ref.text)
+        assert not msgs[-1].timings.local_prefill, "the prompt was meant to be handed over"
     assert stats(decode).num_blocks_pulled - before == sum(
         -(-len(r.prompt_token_ids) // 16) for r in want)
     assert all_free_within([prefill, decode], 5.0), (stats(prefill), stats(decode))

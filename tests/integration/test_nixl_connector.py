@@ -82,18 +82,18 @@ class Peer:
 
 
 @contextlib.contextmanager
-def _sender(layout: KVLayout):
+def spawned(target, *args):
+    """A spawned process running `target(conn, *args)`: yields (its first message, the
+    process); at the end it is told "exit" (its pipe's EOF if it cannot be), then killed
+    if it lingers."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    engine_id = f"sender-{uuid.uuid4().hex[:8]}"
-    proc = ctx.Process(target=_sender_main, daemon=True,
-                       args=(child, engine_id, layout, SENDER_BLOCKS, 1234))
+    proc = ctx.Process(target=target, daemon=True, args=(child, *args))
     proc.start()
     child.close()
     try:
         assert parent.poll(60), "the sender process did not come up"
-        metadata, layers = parent.recv()
-        yield Peer(engine_id, layout, metadata, layers, proc)
+        yield parent.recv(), proc
     finally:
         with contextlib.suppress(OSError):
             parent.send("exit")
@@ -102,6 +102,14 @@ def _sender(layout: KVLayout):
             proc.kill()
             proc.join()
         parent.close()
+
+
+@contextlib.contextmanager
+def _sender(layout: KVLayout):
+    engine_id = f"sender-{uuid.uuid4().hex[:8]}"
+    with spawned(_sender_main, engine_id, layout, SENDER_BLOCKS, 1234) as (first, proc):
+        metadata, layers = first
+        yield Peer(engine_id, layout, metadata, layers, proc)
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32", "float8_e4m3fn"])

@@ -8,7 +8,6 @@ count exactly its slice of the bytes. Equal sizes over two ranks pull rank to ra
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import uuid
 
 import pytest
@@ -24,6 +23,7 @@ from tests.integration.test_nixl_connector import (  # noqa: E402
     _handle,
     _wait,
     _within,
+    spawned,
 )
 from tests.tp_caches import (  # noqa: E402
     PAIRS,
@@ -57,26 +57,10 @@ def _sender_main(conn, engine_id: str, heads: int, tp: int, dtype: str) -> None:
 
 @contextlib.contextmanager
 def _sender(heads: int, tp: int, dtype: str):
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
     engine_id = f"prefill-tp{tp}-{uuid.uuid4().hex[:8]}"
-    proc = ctx.Process(target=_sender_main, daemon=True,
-                       args=(child, engine_id, heads, tp, dtype))
-    proc.start()
-    child.close()
-    try:
-        assert parent.poll(60), "the sender process did not come up"
-        metadata, source = parent.recv()
+    with spawned(_sender_main, engine_id, heads, tp, dtype) as ((metadata, source), _):
         yield engine_id, metadata, [torch.from_numpy(a).view(getattr(torch, dtype))
                                     for a in source]
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send("exit")
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        parent.close()
 
 
 @pytest.mark.parametrize("heads, prefill_tp, decode_tp, dtype",
