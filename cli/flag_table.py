@@ -128,6 +128,23 @@ FLAGS: list[Flag] = [
     _f("kv-load-failure-policy", ("decode",), "engine.kv_load_failure_policy",
        "decode: when a KV pull fails, prefill locally (recompute) or fail the request",
        choices=("recompute", "fail")),
+    _f("kv-connector", WORKERS, "engine.kv_connector",
+       "KV connectors, in order: pd (a decode worker's pull), offload (the tiers); "
+       "default: what the other flags call for"),
+    _f("kv-transfer-config", WORKERS, "engine.kv_transfer_config",
+       "vLLM's KV transfer JSON (kv_connector, kv_role, kv_load_failure_policy, "
+       "kv_connector_extra_config); a key Baton does not act on is refused",
+       optional=True),
+    _f("kv-offload-gib", WORKERS, "engine.kv_offload_gib",
+       "a host KV tier of this size, shared by the workers on the host (0: none)",
+       kind=float),
+    _f("kv-offload-host-path", WORKERS, "engine.kv_offload_host_path",
+       "where the host tier lives: shared memory (default: a folder in /dev/shm; "
+       "containers share it through a tmpfs volume)", optional=True),
+    _f("kv-offload-disk-path", WORKERS, "engine.kv_offload_disk_path",
+       "a disk KV tier in this folder (kept across restarts)", optional=True),
+    _f("kv-offload-disk-gib", WORKERS, "engine.kv_offload_disk_gib",
+       "the disk tier's size in GiB", kind=float),
     _f("speculative-method", WORKERS, "spec.method",
        "speculative decoding: ngram (prompt lookup) drafts, verified in one pass "
        "(decode and colocated; default: off)", choices=("ngram",), optional=True),

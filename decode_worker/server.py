@@ -256,7 +256,8 @@ def serve(config: WorkerConfig) -> None:
         made["checked"] = LeaseCheckedReceiver(pulls, peers.confirm)
         return made["checked"]
 
-    engine = make_engine(config.engine, config.threads, kv_receiver=receiver)
+    engine = make_engine(config.engine, config.threads, kv_receiver=receiver,
+                         role="decode")
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_DecodeServiceServicer_to_server(

@@ -89,6 +89,19 @@ class EngineConfig:
     quantization: str | None = None
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
     kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
+    # KV connectors (kv_connector/registry.py): "pd", "offload", or both ("pd,offload");
+    # "" stacks what the settings call for. `kv_transfer_config`: vLLM's JSON, read into
+    # these fields (kv_connector/transfer_config.py); `kv_role` is the role it names.
+    kv_connector: str = ""
+    kv_transfer_config: str | None = None
+    kv_role: str | None = None
+    # Offload tiers (kv_connector/offload.py): a host tier of this many GiB (shared
+    # memory every worker on the host reads; `kv_offload_host_path` None: the default
+    # one) and a disk tier (files under the path, at most that many GiB).
+    kv_offload_gib: float = 0.0
+    kv_offload_host_path: str | None = None
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_gib: float = 0.0
     speculative: SpecConfig = SpecConfig()  # speculative decoding; off by default
     # Structured output: a grammar compile past this fails its request (INVALID_ARGUMENT).
     grammar_compile_timeout_s: float = 10.0
@@ -141,6 +154,7 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self._check_kv_connectors()
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', got "
                              f"{self.kv_load_failure_policy!r}")
@@ -171,6 +185,32 @@ class EngineConfig:
         self._check_parallel()
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        return self.kv_offload_gib > 0 or bool(self.kv_offload_disk_path)
+
+    def _check_kv_connectors(self) -> None:
+        if self.kv_transfer_config:
+            from .kv_connector.transfer_config import parse
+            for name, value in parse(self.kv_transfer_config).items():
+                object.__setattr__(self, name, value)
+        for name in ("kv_offload_gib", "kv_offload_disk_gib"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if bool(self.kv_offload_disk_path) != (self.kv_offload_disk_gib > 0):
+            raise ValueError("the disk tier needs both kv_offload_disk_path and "
+                             "kv_offload_disk_gib > 0")
+        names = [n.strip() for n in self.kv_connector.split(",") if n.strip()]
+        if "offload" in names and not self.kv_offload_enabled:
+            raise ValueError("kv_connector 'offload' needs a tier: kv_offload_gib > 0 or "
+                             "kv_offload_disk_path")
+        if self.kv_offload_enabled and names and "offload" not in names:
+            raise ValueError(f"kv_connector {self.kv_connector!r} leaves out 'offload', "
+                             "but a tier is set")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers are keyed by the prefix cache's block "
+                             "hashes: they need enable_prefix_caching")
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):

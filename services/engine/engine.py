@@ -30,8 +30,11 @@ from .block_pool import BlockPool
 from .build import load
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .engine_stats import engine_stats
 from .grammar_compiler import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
+from .kv_connector.registry import ConnectorContext
+from .kv_connector.registry import build as build_connectors
 from .outputs import EngineStats, ModelInfo, RequestOutput
 from .request import Request, RequestStatus
 from .request_output import request_output
@@ -66,9 +69,12 @@ class LLMEngine:
         self.kv_events = KvEventLog()
         self.pool = BlockPool(num_blocks, self.kv_events)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        self.connectors = build_connectors(ConnectorContext(
+            config, self.kv_layout, self.rank_kv_caches, receiver, self.kv_events))
+        self.kv.record_published = any(c.saves for c in self.connectors)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy,
-                                   receiver=receiver,
+                                   connectors=self.connectors,
                                    lease_timeout_s=config.kv_lease_timeout_s,
                                    load_failure_policy=config.kv_load_failure_policy,
                                    max_loras=config.max_loras if config.enable_lora else None)
@@ -93,7 +99,9 @@ class LLMEngine:
         log.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.monotonic() - t0,
                  model_config.architecture, config.dtype, self.max_model_len)
 
-    def close(self) -> None:  # stops the tensor-parallel ranks
+    def close(self) -> None:  # stops the connectors' threads and the tensor-parallel ranks
+        for conn in getattr(self, "connectors", ()):
+            conn.close()
         if self.ranks is not None:
             self.ranks.stop()
 
@@ -264,8 +272,7 @@ class LLMEngine:
 
     def _live_loras(self) -> set[str | None]:
         s = self.scheduler
-        loading = s.loader.loading.values() if s.loader is not None else ()
-        return {r.lora_name for r in (*s.requests.values(), *loading)}
+        return {r.lora_name for r in (*s.requests.values(), *s.loads.loading.values())}
 
     @property
     def num_waiting(self) -> int:
@@ -291,23 +298,11 @@ class LLMEngine:
         return self.scheduler.leases.expire(time.monotonic())
 
     def stats(self) -> EngineStats:
-        s, loader = self.scheduler, self.scheduler.loader
-        return EngineStats(
-            num_waiting=len(s.waiting), num_running=len(s.running),
-            num_loading=s.num_loading, num_leases=len(s.leases),
-            num_blocks=self.pool.num_blocks - 1, num_free_blocks=self.pool.num_free_blocks,
-            num_blocks_pulled=loader.num_blocks_pulled if loader else 0,
-            num_blocks_local=loader.num_blocks_local if loader else 0,
-            num_preemptions=s.num_preemptions,
-            num_load_failures=loader.num_failures if loader else 0,
-            num_leases_expired=s.leases.num_expired,
-            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_generation_tokens=s.num_generation_tokens,
-            num_spec_drafts=self.spec.num_drafts if self.spec else 0,
-            num_spec_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
-            num_spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
-            loras=tuple(self.loras.names()))
+        return engine_stats(self)
+
+    def connector_stats(self) -> dict[str, dict[str, int]]:
+        """Each KV connector's counters, by its name (kv_connector/)."""
+        return {c.name: c.stats() for c in self.connectors}
 
     # ---- prefix cache ---------------------------------------------------------------
 

@@ -16,6 +16,10 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already in the cache map
         self._private: set[str] = set()  # requests whose blocks are never published
+        # Blocks published since take_published(): (hash, block id), for the connectors
+        # that save them (kv_loads.py). Kept only when one does.
+        self.record_published = False
+        self._published: list[tuple[bytes, int]] = []
         self.num_queries = 0  # prompt tokens looked up
         self.num_hits = 0  # of which found cached
 
@@ -91,6 +95,8 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
+            if self.record_published:
+                self._published.append((hashes[i], blocks[i].block_id))
         self._num_published[request.request_id] = max(done, num_full)
 
     def keep_private(self, request: Request) -> None:
@@ -120,3 +126,8 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def take_published(self) -> list[tuple[bytes, int]]:
+        """The blocks published since the last call, as (hash, block id)."""
+        out, self._published = self._published, []
+        return out

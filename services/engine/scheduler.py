@@ -8,11 +8,14 @@ that would run last (the lowest priority, or the latest arrival) is preempted: i
 are freed, its computed count is reset, and it goes back to the front of the waiting
 queue to recompute later.
 
-Disaggregation adds two outcomes, each kept by one component:
-- decode role: a request whose prompt KV sits on a prefill engine (`request.remote`) is
-  admitted like any waiting request, but instead of computing its prompt it starts a
-  pull (RemoteKVLoader) and waits as WAITING_FOR_KV until that lands; then it runs with
-  its prompt computed. A failed pull follows the load-failure policy.
+KV from outside the pool, and disaggregation, add two outcomes, each kept by one
+component:
+- a request that a KV connector has something for (kv_connector/: a decode role's
+  request whose prompt KV sits on a prefill engine, `request.remote`; a prefix found in
+  an offload tier) is admitted like any waiting request, but instead of computing those
+  tokens it starts a load (KVLoads) and waits as WAITING_FOR_KV until that lands; then it
+  runs with them computed. A load that failed follows the load-failure policy: under
+  "recompute" only what did not land is computed.
 - prefill role: a `kv_hold` request ends after its first token as PREFILLED, its blocks
   held under a lease (LeaseTable) until released or expired.
 
@@ -28,17 +31,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from baton.kv_transfer.base import KVReceiver
-
 from .kv_cache_manager import KVCacheManager
-from .kv_loader import RemoteKVLoader
+from .kv_connector.base import KVConnector
+from .kv_loads import KVLoads
 from .leases import LeaseTable
 from .outputs import SampledTokens
 from .request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
-LOAD_WAIT_S = 0.005  # how long a schedule may wait for the remote KV pulls it just started
+LOAD_WAIT_S = 0.005  # how long a schedule may wait for the KV loads it just started
 
 
 @dataclass
@@ -49,7 +51,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # a failed pull under "fail"
+    finished: list[Request] = field(default_factory=list)  # a failed load under "fail"
 
 
 # How long requests that fit may pass one waiting for its adapter to get a place.
@@ -90,7 +92,7 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs",
-                 receiver: KVReceiver | None = None, lease_timeout_s: float = 30.0,
+                 connectors: list[KVConnector] | None = None, lease_timeout_s: float = 30.0,
                  load_failure_policy: str = "recompute", max_loras: int | None = None):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -106,7 +108,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request, leases excluded
         self.leases = LeaseTable(kv, lease_timeout_s)
-        self.loader = RemoteKVLoader(kv, receiver) if receiver is not None else None
+        self.loads = KVLoads(kv, connectors or [])
         self.load_failure_policy = load_failure_policy
         self.max_loras = max_loras  # LoRA adapters in one step at most (None: no LoRA)
         self.lora_pass_s = LORA_PASS_S
@@ -119,20 +121,20 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self.requests or rid in self.leases or (
-                self.loader is not None and rid in self.loader.loading):
+        if rid in self.requests or rid in self.leases or rid in self.loads.loading:
             raise ValueError(f"request_id {rid!r} is already in use")
-        if request.remote is not None and self.loader is None:
+        if request.remote is not None and not any(c.name == "pd"
+                                                  for c in self.loads.connectors):
             raise ValueError("this engine has no KV receiver: it cannot take remote KV")
         self.requests[rid] = request
         self.waiting.push(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or (self.loader is not None and self.loader.busy)
+        return bool(self.requests) or self.loads.busy
 
     @property
     def num_loading(self) -> int:
-        return 0 if self.loader is None else len(self.loader.loading)
+        return len(self.loads.loading)
 
     def abort(self, request_id: str) -> Request | None:
         """End a request wherever it is. A PREFILLED one has no request left, only its
@@ -147,11 +149,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.loads.save()  # anything published since the last step ran (loads landed)
         self._land_loads(out)
-        # Remote requests at the head of the queue start their pulls first, and the step
-        # waits a moment for them: a pull that lands at once decodes in this very step.
-        if self._admit_waiting(out, budget=0, remote_only=True)[1] and self.loader:
-            self.loader.wait(LOAD_WAIT_S)
+        # Loads at the head of the queue start first, and the step waits a moment for
+        # them: a pull that lands at once decodes in this very step.
+        if self._admit_waiting(out, budget=0, loads_only=True)[1]:
+            self.loads.wait(LOAD_WAIT_S)
             self._land_loads(out)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -195,12 +198,12 @@ class Scheduler:
         out.block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, remote_only: bool = False
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loads_only: bool = False
                        ) -> tuple[list[tuple[Request, int]], int]:
         """The one admission path: take waiting requests in order while budget, sequence
-        slots and blocks last. A request with a KV handle starts its pull (no token
-        budget); any other gets prefix-cache hits and a first chunk. Returns the chunks to
-        run and the number of pulls started."""
+        slots and blocks last. Each gets its prefix-cache hits; then a request a connector
+        claims starts its load (no token budget), any other a first chunk. Returns the
+        chunks to run and the number of loads started."""
         scheduled: list[tuple[Request, int]] = []
         pulls = 0
         passed: list[Request] = []  # set aside while others pass them
@@ -217,13 +220,18 @@ class Scheduler:
                         break
                     passed.append(self.waiting.pop())
                     continue
-                if req.remote is not None:
-                    assert self.loader is not None  # add_request takes remote KV only then
-                    # Keep a block per running request, so a pull does not force the step
-                    # that follows to preempt a running request that crosses a block boundary.
-                    short = (self.kv.pool.num_free_blocks - len(req.remote.block_ids)
-                             < len(self.running))
-                    if (remote_only and short) or not self.loader.start(req):
+                # Prefix-cache hits cost no budget: only the tokens after them are computed.
+                hits = self.kv.get_computed_blocks(req)
+                if req.remote is not None:  # the handle's blocks at most
+                    hits = hits[:len(req.remote.block_ids)]
+                claim = self.loads.claim(req, len(hits))
+                if claim is not None:
+                    # Keep a block per running request, so a load does not force the step
+                    # that follows to preempt a running request that crosses a block
+                    # boundary.
+                    short = (self.kv.pool.num_free_blocks - -(-claim[1] // self.kv.block_size)
+                             < len(self.running) + len(hits))
+                    if (loads_only and short) or not self.loads.start(req, claim, hits):
                         break
                     self.waiting.pop()
                     req.status = RequestStatus.WAITING_FOR_KV
@@ -233,10 +241,8 @@ class Scheduler:
                     if req.lora_name is not None:
                         live.add(req.lora_name)
                     continue
-                if remote_only or budget <= 0:
+                if loads_only or budget <= 0:
                     break
-                # Prefix-cache hits cost no budget: only the tokens after them are computed.
-                hits = self.kv.get_computed_blocks(req)
                 num_cached = len(hits) * self.kv.block_size
                 n = min(req.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(req, n, hits):
@@ -261,7 +267,7 @@ class Scheduler:
 
     def _live_loras(self) -> set[str]:
         """The adapters of the running requests and of those whose KV is arriving."""
-        loading = self.loader.loading.values() if self.loader is not None else ()
+        loading = self.loads.loading.values()
         return {r.lora_name for r in (*self.running, *loading) if r.lora_name is not None}
 
     def _lora_fits(self, req: Request, live: set[str]) -> bool:
@@ -273,29 +279,31 @@ class Scheduler:
         return req.lora_name in live or len(live) < (self.max_loras or 0)
 
     def _land_loads(self, out: SchedulerOutput) -> None:
-        """Pulls that ended: run the request, or apply the load-failure policy."""
-        if self.loader is None:
-            return
-        for req, error in self.loader.land():
-            assert req.remote is not None  # it was pulling from there
-            if error is None:
-                # The KV is ours now: a preemption from here on recomputes it locally.
-                req.remote = None
+        """Loads that ended: run the request, or apply the load-failure policy."""
+        for req, error in self.loads.land():
+            if error is not None and self.load_failure_policy == "fail":
+                req.error = f"KV transfer failed: {error}"
+                self.requests.pop(req.request_id, None)
+                self.kv.free(req)
+                req.status = RequestStatus.FINISHED_ABORTED
+                out.finished.append(req)
+                continue
+            if error is not None:
+                source = req.remote.engine_id if req.remote is not None else "a KV tier"
+                log.warning("KV load of %s from %s failed (%s); recomputing %d of its "
+                            "tokens locally", req.request_id, source, error,
+                            req.num_tokens - req.num_computed_tokens)
+                req.kv_load_error = error
+            # The KV is ours now: a preemption from here on recomputes it locally.
+            req.remote = None
+            if self.kv.block_ids(req.request_id):
+                # What did not land is computed like the rest of a prompt, in chunks.
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-            elif self.load_failure_policy == "recompute":
-                log.warning("KV pull of %s from %s failed (%s); recomputing it locally",
-                            req.request_id, req.remote.engine_id, error)
-                req.kv_load_error = error
-                req.remote = None
+            else:  # a timed-out load: it holds no block, and starts over
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.push(req)
-            else:
-                req.error = f"KV transfer failed: {error}"
-                self.requests.pop(req.request_id, None)
-                req.status = RequestStatus.FINISHED_ABORTED
-                out.finished.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -316,6 +324,7 @@ class Scheduler:
         and so may the stop conditions; the tokens after that one are dropped. Returns
         the requests that got a token; those that hit a stop condition are finished
         (their blocks freed, or held under a lease for PREFILLED)."""
+        self.loads.save()  # the step has run: its full blocks hold their KV now
         got_token = []
         for req, n in out.scheduled:
             self.num_prompt_tokens += max(0, min(req.num_computed_tokens + n,
@@ -366,7 +375,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """End a request for good: free its blocks and forget it. PREFILLED keeps the
         blocks under a lease; a request still loading keeps them until the receiver lets
-        go (the loader frees them then)."""
+        go (KVLoads frees them then)."""
         if self.requests.pop(req.request_id, None) is None:
             return
         if req.status == RequestStatus.RUNNING:
@@ -376,8 +385,7 @@ class Scheduler:
         loading = req.status == RequestStatus.WAITING_FOR_KV
         req.status = status
         if loading:
-            assert self.loader is not None  # a request loads KV only through it
-            self.loader.abandon(req)
+            self.loads.abandon(req)
         elif status == RequestStatus.PREFILLED:
             req.lease_id = self.leases.grant(req, time.monotonic())
         else:

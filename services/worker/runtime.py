@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 
 
 def make_engine(config: EngineConfig, threads: int | None,
-                kv_receiver: ReceiverFactory | None = None) -> LLMEngine:
+                kv_receiver: ReceiverFactory | None = None, role: str = "") -> LLMEngine:
+    if role and config.kv_role not in (None, role):  # --kv-transfer-config's kv_role
+        raise ValueError(f"kv_transfer_config.kv_role says a {config.kv_role} worker; "
+                         f"this one is a {role} worker")
     if threads:
         import torch
 

@@ -10,6 +10,7 @@ from baton.kv_transfer.base import KVHandle, KVLayout, KVReceiver, TransferState
 from baton.services.common.sampling_params import SamplingParams
 from baton.services.engine.block_pool import BlockPool
 from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.kv_connector.pd import PDConnector
 from baton.services.engine.outputs import SampledTokens
 from baton.services.engine.request import Request, RequestStatus
 from baton.services.engine.scheduler import Scheduler
@@ -50,8 +51,9 @@ def make(num_blocks: int = 32, budget: int = 16, policy: str = "fcfs", receiver=
          load_failure_policy: str = "recompute", prefix_caching: bool = True):
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, BS, prefix_caching)
+    connectors = [PDConnector(receiver, BS)] if receiver is not None else []
     return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64,
-                     policy=policy, receiver=receiver,
+                     policy=policy, connectors=connectors,
                      load_failure_policy=load_failure_policy), pool
 
 
@@ -189,7 +191,7 @@ def test_a_remote_request_pulls_only_what_its_prefix_cache_lacks_then_runs():
     assert r.status is RequestStatus.WAITING_FOR_KV
     remote_ids, local_ids = pulls.started["r"]
     assert remote_ids == [102]  # blocks 100 and 101 were cached here already
-    assert len(local_ids) == 1 and s.loader.num_blocks_local == 2
+    assert len(local_ids) == 1 and s.loads.connectors[0].stats()["blocks_local"] == 2
     pulls.finish("r")
     out = step(s)
     assert r.status is RequestStatus.RUNNING and r.num_computed_tokens == 11
@@ -214,7 +216,7 @@ def test_a_failed_pull_follows_the_policy(policy):
     else:
         assert out.finished == [r] and r.status is RequestStatus.FINISHED_ABORTED
         assert "peer went away" in r.error
-    assert s.loader.num_failures == 1
+    assert s.loads.num_failures == 1
     pool.check_all_free()
 
 
@@ -264,16 +266,15 @@ def test_a_lease_revoked_from_another_thread_keeps_its_blocks_until_the_engine_c
 
 
 def test_a_pull_that_never_lands_fails_and_its_blocks_wait_for_the_transport(monkeypatch):
-    """A transport stuck on a frozen peer: after PULL_TIMEOUT_S the request recomputes
-    with new blocks; the old ones stay set aside (it may still write) until it lets go."""
-    from baton.services.engine import kv_loader
-
+    """A transport stuck on a frozen peer: after the connector's load timeout the
+    request recomputes with new blocks; the old ones stay set aside (it may still write)
+    until it lets go."""
     pulls = Pulls()
     s, pool = make(receiver=pulls)
     s.add_request(r := _remote("r", 10))
     s.schedule()
     held = set(s.kv.block_ids("r"))
-    monkeypatch.setattr(kv_loader, "PULL_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(PDConnector, "load_timeout_s", 0.0)
     out = s.schedule()
     assert r.status is RequestStatus.RUNNING and r.remote is None  # recomputing
     assert [(x.request_id, n) for x, n in out.scheduled] == [("r", 11)]

@@ -1,4 +1,4 @@
-"""The benchmark workloads (W1 to W4, docs/benchmarks.md): random-token prompts, greedy,
+"""The benchmark workloads (W1 to W4 and W6, docs/benchmarks.md): random-token prompts, greedy,
 ignore_eos."""
 
 from __future__ import annotations
@@ -40,4 +40,9 @@ def make_workload(name: str, vocab_size: int) -> Workload:
         pick, tail = random.Random(4), random.Random(5)
         return Workload("W4", [prefixes[pick.randrange(16)] + ids(tail, 32)
                                for _ in range(256)], 32)
-    raise ValueError(f"unknown workload {name!r}; expected w1, w2, w3 or w4")
+    if name == "w6":  # 48 tenants' prefixes, about 4x a 0.25 GiB pool: the KV tiers
+        prefixes = [ids(random.Random(200 + t), 1024) for t in range(48)]
+        pick, tail = random.Random(6), random.Random(7)
+        return Workload("W6", [prefixes[pick.randrange(48)] + ids(tail, 32)
+                               for _ in range(384)], 32)
+    raise ValueError(f"unknown workload {name!r}; expected w1, w2, w3, w4 or w6")

@@ -1,0 +1,198 @@
+"""The KV connector interface on its own (no model): a connector's loads drive the
+scheduler (only what failed to load is recomputed), connectors are chosen by name and
+stacked, and vLLM's --kv-transfer-config JSON maps onto Baton's settings or is refused
+by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.services.engine.block_pool import BlockPool
+from baton.services.engine.config import EngineConfig
+from baton.services.engine.kv_cache_manager import KVCacheManager
+from baton.services.engine.kv_connector.base import KVConnector, LoadResult
+from baton.services.engine.kv_connector.transfer_config import parse
+from baton.services.engine.request import RequestStatus
+from baton.services.engine.scheduler import Scheduler
+from tests.unit.test_scheduler import BS, req, step
+
+
+class Tier(KVConnector):
+    """A tier the test drives: it holds the blocks with the hashes in `held`, a load
+    stays in flight until `finish(n_ok, error)`, and it records what it was given."""
+
+    name = "tier"
+    saves = True
+
+    def __init__(self):
+        self.held: set[bytes] = set()
+        self.loads: dict[str, tuple[int, list[int]]] = {}
+        self.results: dict[str, LoadResult] = {}
+        self.saved: list[bytes] = []
+
+    def match(self, r, num_hit_blocks):
+        n = 0
+        for h in r.block_hashes[num_hit_blocks:(r.num_tokens - 1) // BS]:
+            if h not in self.held:
+                break
+            n += 1
+        return n * BS if n else None
+
+    def start_load(self, load_id, r, first_block, block_ids):
+        self.loads[load_id] = (first_block, list(block_ids))
+
+    def finish(self, num_ok: int, error: str | None = None) -> None:
+        for load_id in list(self.loads):
+            self.results[load_id] = LoadResult(num_ok, error)
+            del self.loads[load_id]
+
+    def poll(self, load_id):
+        return self.results.pop(load_id, None)
+
+    def save(self, blocks):
+        self.saved += [b.block_hash for b in blocks]
+
+
+def make(tier: Tier, num_blocks: int = 32):
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, BS)
+    kv.record_published = True
+    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                     connectors=[tier]), pool
+
+
+@pytest.mark.parametrize("num_ok,error", [(4, None), (2, "block 2 was corrupt"),
+                                          (0, "every tier missed")])
+def test_only_what_did_not_load_is_computed(num_ok, error):
+    tier = Tier()
+    s, pool = make(tier)
+    s.add_request(first := req("first", 19, max_tokens=1))
+    step(s)
+    assert first.status.finished and len(tier.saved) == 4  # the 4 full prompt blocks
+    tier.held = set(tier.saved)
+    s.kv.pool.reset_prefix_cache()  # the pool forgets them: only the tier has them
+    s.add_request(r := req("r", 19, max_tokens=1))
+    s.schedule()
+    assert r.status is RequestStatus.WAITING_FOR_KV
+    (first_block, block_ids), = tier.loads.values()
+    assert first_block == 0 and len(block_ids) == 4  # never the block with the last token
+    tier.finish(num_ok, error)
+    out = s.schedule()
+    assert r.status is RequestStatus.RUNNING
+    # The step computes the prompt from the first block that did not load.
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("r", 19 - num_ok * BS)]
+    assert s.loads.num_failures == (error is not None)
+    s.abort("r")
+    pool.check_all_free()
+
+
+def test_a_load_failure_under_the_fail_policy_ends_the_request():
+    tier = Tier()
+    s, pool = make(tier)
+    s.load_failure_policy = "fail"
+    s.add_request(req("first", 9, max_tokens=1))
+    step(s)
+    tier.held = set(tier.saved)
+    s.kv.pool.reset_prefix_cache()
+    s.add_request(r := req("r", 9, max_tokens=1))
+    s.schedule()
+    tier.finish(1, "disk went away")
+    out = s.schedule()
+    assert out.finished == [r] and "disk went away" in r.error
+    pool.check_all_free()
+
+
+def test_loaded_blocks_enter_the_prefix_cache():
+    tier = Tier()
+    s, pool = make(tier)
+    s.add_request(req("first", 9, max_tokens=1))
+    step(s)
+    tier.held = set(tier.saved)
+    s.kv.pool.reset_prefix_cache()
+    s.add_request(req("r", 9, max_tokens=2))
+    s.schedule()
+    tier.finish(2)
+    step(s)
+    # A third request on the same prefix hits the pool, no load.
+    s.add_request(t := req("t", 9, max_tokens=1))
+    out = s.schedule()
+    assert t.status is RequestStatus.RUNNING and t.num_cached_tokens == 8
+    assert [(x.request_id, n) for x, n in out.scheduled if x is t] == [("t", 1)]
+    s.abort("r")
+    s.abort("t")
+    pool.check_all_free()
+
+
+# ---- choosing connectors ----------------------------------------------------------
+
+
+def test_unknown_and_missing_connectors_are_refused_by_name():
+    from baton.services.engine.kv_connector.registry import ConnectorContext, build
+
+    def ctx(receiver=None, **kw):
+        return ConnectorContext(EngineConfig(**kw), None, [], receiver, None)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="'lmcache'"):
+        build(ctx(kv_connector="lmcache"))
+    with pytest.raises(ValueError, match="must be named"):
+        build(ctx(receiver=object(), kv_connector="offload", kv_offload_gib=1.0))
+    with pytest.raises(ValueError, match="no KV receiver"):
+        build(ctx(kv_connector="pd"))
+    assert build(ctx()) == []  # nothing asked for: no connector at all
+
+
+def test_engine_config_checks_the_tiers():
+    with pytest.raises(ValueError, match="needs a tier"):
+        EngineConfig(kv_connector="offload")
+    with pytest.raises(ValueError, match="kv_offload_disk_gib"):
+        EngineConfig(kv_offload_disk_path="/tmp/x")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(kv_offload_gib=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="leaves out 'offload'"):
+        EngineConfig(kv_connector="pd", kv_offload_gib=1.0)
+
+
+# ---- vLLM's --kv-transfer-config --------------------------------------------------
+
+
+def test_vllm_transfer_config_maps_onto_baton_settings():
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+             "kv_load_failure_policy": "fail",
+             "kv_connector_extra_config": {"connectors": [
+                 {"kv_connector": "NixlConnector"},
+                 {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+                     "cpu_bytes_to_use": 1 << 29, "disk_path": "/var/kv",
+                     "disk_bytes_to_use": 3 << 30}}]}}
+    config = EngineConfig(kv_transfer_config=json.dumps(multi))
+    assert (config.kv_connector, config.kv_role, config.kv_load_failure_policy,
+            config.kv_offload_gib, config.kv_offload_disk_path,
+            config.kv_offload_disk_gib) == ("pd,offload", "decode", "fail", 0.5, "/var/kv", 3)
+    assert parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}') == {
+        "kv_connector": "pd", "kv_role": "colocated"}
+
+
+@pytest.mark.parametrize("doc,named", [
+    ({"kv_connector": "NixlConnector", "kv_ip": "10.0.0.1"}, "'kv_ip'"),
+    ({"kv_connector": "NixlConnector", "kv_buffer_size": 1e9}, "'kv_buffer_size'"),
+    ({"kv_connector": "LMCacheConnectorV1"}, "LMCacheConnectorV1"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"num_cpu_blocks": 10}}, "'num_cpu_blocks'"),
+    ({"kv_connector": "NixlConnector",
+      "kv_connector_extra_config": {"backends": ["GDS"]}}, "backends"),
+    ({"kv_role": "kv_leader"}, "kv_leader"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": -1}}, "cpu_bytes_to_use"),
+])
+def test_a_key_or_value_that_would_do_nothing_is_refused_by_name(doc, named):
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(kv_transfer_config=json.dumps(doc))
+
+
+def test_a_worker_of_another_role_than_the_config_says_refuses_to_start():
+    from baton.services.worker.runtime import make_engine
+
+    config = EngineConfig(kv_transfer_config='{"kv_role": "kv_producer"}')
+    with pytest.raises(ValueError, match="prefill worker; this one is a decode"):
+        make_engine(config, None, role="decode")
