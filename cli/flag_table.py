@@ -197,6 +197,11 @@ FLAGS: list[Flag] = [
        "load: load alone", choices=("kv", "load")),
     _f("kv-overlap-weight", ("router",), "router.kv_overlap_weight",
        "routing cost of each prompt token a worker does not hold", kind=float),
+    _f("kv-host-weight", ("router",), "router.kv_host_weight",
+       "what a prompt block in a worker's host (shared memory) tier counts for in "
+       "routing, against 1 for one in its block pool and 0 for a miss", kind=float),
+    _f("kv-disk-weight", ("router",), "router.kv_disk_weight",
+       "... and a block in its disk tier", kind=float),
     _f("load-weight", ("router",), "router.load_weight",
        "routing cost of a unit of a worker's load (waiting x 4 + running), in prompt "
        "tokens", kind=float),

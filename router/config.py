@@ -10,7 +10,7 @@ from baton.services.rpc.config import ServiceConfig
 
 from .chat import ChatSettings
 from .discovery import Target
-from .policy import Policy
+from .policy import DISK_WEIGHT, HOST_WEIGHT, Policy
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,10 @@ class RouterConfig:
     discovery_grace: float = 10.0
     routing: str = "kv"  # "kv": cached prefix against load; "load": load alone
     kv_overlap_weight: float = 1.0  # the cost of a prompt token the worker lacks
+    # What a block in a worker's host (shared memory) or disk tier counts for, against 1
+    # for one in its pool (router/policy.py says why these).
+    kv_host_weight: float = HOST_WEIGHT
+    kv_disk_weight: float = DISK_WEIGHT
     load_weight: float = 64.0  # the cost of a unit of load, in prompt tokens
     local_prefill_tokens: int = 0  # decode prefills itself when it lacks at most this
     local_prefill_hit: float = 0.9  # ... or holds this share of the prompt (0: never)
@@ -91,9 +95,9 @@ class RouterConfig:
         for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.local_prefill_hit <= 1:
-            raise ValueError(f"local_prefill_hit must be in [0, 1], got "
-                             f"{self.local_prefill_hit!r}")
+        for name in ("local_prefill_hit", "kv_host_weight", "kv_disk_weight"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         for role in ("prefill", "decode"):
             self.targets(role)  # a bad address fails at start-up, naming it
         self.chat_settings()  # an unknown parser fails at start-up, naming it
@@ -125,6 +129,7 @@ class RouterConfig:
     def policy(self) -> Policy:
         kv = self.routing == "kv"
         return Policy(kv_weight=self.kv_overlap_weight if kv else 0.0,
-                      load_weight=self.load_weight,
+                      load_weight=self.load_weight, host_weight=self.kv_host_weight,
+                      disk_weight=self.kv_disk_weight,
                       local_prefill_tokens=self.local_prefill_tokens,
                       local_prefill_hit=self.local_prefill_hit if kv else 0.0)

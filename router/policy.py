@@ -8,7 +8,12 @@ A worker's cost for a prompt, in tokens of work:
 where "holds" is the leading blocks its prefix cache has (router/kv_index.py) and load
 is the registry's score ((waiting + loading + routed since the last poll) * 4 + running).
 A prefill worker that holds the prefix computes less; a decode worker that holds it pulls
-less.
+less. Blocks in a worker's offload tiers that continue its pool's run count in part:
+
+    held (blocks) = pool blocks + host_weight * host blocks + disk_weight * disk blocks
+
+each block of that tier run counted by the medium its engine would load it from.
+
 With kv_weight 0 this is load-only routing. The lowest cost wins; the defaults are
 measured on W4 (docs/benchmarks.md).
 
@@ -24,11 +29,25 @@ from dataclasses import dataclass
 
 from .kv_index import PromptBlocks
 
+# What a block found in an offload tier is worth against one in the pool (1) and a miss
+# (0): the share of its prefill that loading it saves, 1 - load time / compute time. For
+# a 16-token block of an 8B model (2 MB of KV at bf16) on one H100: about 0.4 ms to
+# compute, 0.1 ms to copy from pinned host memory at ~25 GB/s, 0.3 ms or more to read
+# from an NVMe disk at ~6 GB/s: about 0.75 and 0.1 to 0.25 when loads run at full speed.
+# Host's default is lower (a load is one more step the prefill waits on, and the tier's
+# events are as old as the last poll); disk's keeps pool > host > disk > miss with room
+# between each. On a CPU worker computing is far slower and either tier saves nearly all:
+# raise both there. Not yet measured on Baton.
+HOST_WEIGHT = 0.5
+DISK_WEIGHT = 0.25
+
 
 @dataclass(frozen=True)
 class Policy:
     kv_weight: float = 1.0
     load_weight: float = 64.0
+    host_weight: float = HOST_WEIGHT
+    disk_weight: float = DISK_WEIGHT
     local_prefill_tokens: int = 0
     local_prefill_hit: float = 0.9
 
@@ -37,16 +56,25 @@ class Policy:
         return self.kv_weight > 0 or self.local_prefill_hit > 0
 
     def matched(self, worker, prompt: PromptBlocks | None, confirmed: bool = False) -> int:
-        """Leading prompt blocks `worker` holds, as far as the router knows (`confirmed`:
-        by its own KV events, not by the router's predictions)."""
+        """Leading prompt blocks `worker`'s pool holds, as far as the router knows
+        (`confirmed`: by its own KV events, not by the router's predictions). Its tiers'
+        do not count: a response's expected_cached_blocks and conditional disaggregation
+        stay the pool's."""
         if prompt is None or not self.uses_kv:
             return 0
         return worker.index.match(prompt, confirmed=confirmed)
 
-    def uncached(self, worker, prompt: PromptBlocks | None) -> int:
+    def held(self, worker, prompt: PromptBlocks | None) -> float:
+        """The prompt's blocks `worker` holds, those of its tiers weighted (above)."""
+        if prompt is None or not self.uses_kv:
+            return 0.0
+        hit = worker.index.hit(prompt)
+        return hit.pool + self.host_weight * hit.host + self.disk_weight * hit.disk
+
+    def uncached(self, worker, prompt: PromptBlocks | None) -> float:
         if prompt is None:
             return 0
-        return len(prompt.token_ids) - self.matched(worker, prompt) * worker.index.block_size
+        return len(prompt.token_ids) - self.held(worker, prompt) * worker.index.block_size
 
     def cost(self, worker, prompt: PromptBlocks | None) -> float:
         kv = self.kv_weight * self.uncached(worker, prompt) if self.kv_weight else 0.0

@@ -101,12 +101,13 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     kv: KvEventLog = field(default_factory=KvEventLog)  # the prompts' blocks it "caches"
     _thaw: asyncio.Event | None = None
 
-    def cache(self, prompt: list[int], salt: str = "") -> None:
-        """Hold the prompt's full blocks, as an engine's prefix cache would."""
+    def cache(self, prompt: list[int], salt: str = "", medium: str = "pool") -> None:
+        """Hold the prompt's full blocks, as an engine's prefix cache (or one of its
+        offload tiers: `medium`) would."""
         hashes: list[bytes] = []
         extend_hashes(hashes, prompt, 16, salt.encode())
         for h in hashes:
-            self.kv.stored(h)
+            self.kv.stored(h, medium)
 
     def cached_tokens(self, prompt: list[int], salt: str = "") -> int:
         """The prompt's leading tokens an engine would take from this cache (never the
@@ -260,7 +261,10 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         ev = self.kv.read(request.after if request.engine_id == self.engine_id else 0)
         return wk.GetKvEventsResponse(engine_id=self.engine_id, seq=ev.seq,
                                       snapshot=ev.snapshot, stored=ev.stored,
-                                      removed=ev.removed, block_size=16, enabled=True)
+                                      removed=ev.removed, block_size=16, enabled=True,
+                                      tiers=[wk.KvTierEvents(medium=m, stored=t.stored,
+                                                             removed=t.removed)
+                                             for m, t in ev.tiers.items()])
 
 
 async def _serve(worker: FakeWorker, host: str = "127.0.0.1", port: int = 0

@@ -76,7 +76,9 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
         return wk.GetKvEventsResponse(
             engine_id=self.engine_id, seq=ev.seq, snapshot=ev.snapshot, stored=ev.stored,
             removed=ev.removed, block_size=self.layout.block_size,
-            enabled=engine.config.enable_prefix_caching)
+            enabled=engine.config.enable_prefix_caching,
+            tiers=[wk.KvTierEvents(medium=m, stored=t.stored, removed=t.removed)
+                   for m, t in ev.tiers.items()])
 
     async def ReadKvBlocks(self, request, context):
         """The blocks held under lease `lease_id` of `request_id`, checked before the

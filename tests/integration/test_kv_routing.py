@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from baton.router.kv_index import PromptBlocks
+from baton.router.kv_index import Hit, PromptBlocks
 from tests.router_fakes import cluster, expected, tokens
 
 BS = 16
@@ -126,4 +126,28 @@ def test_evicted_blocks_stop_attracting_requests(tok):
             await c.polled()
             msgs = await c.generate(prompt, 4)
             assert msgs[0].timings.expected_cached_blocks == 0
+    asyncio.run(main())
+
+
+def test_a_prefix_in_an_offload_tier_attracts_its_prompt_less_than_one_in_the_pool(tok):
+    """Through the registry's polls of the workers' KV events (each medium on the wire):
+    pool over host over disk over nothing, each prompt to the best-placed prefill worker."""
+    async def main():
+        async with cluster(tok, prefills=3, decodes=1) as c:
+            pool_host, host_disk, disk_none = (p for _, p in sorted(_tenant_prompts(3, 1)))
+            c.prefill[0].cache(pool_host)
+            c.prefill[1].cache(pool_host, medium="host")
+            c.prefill[1].cache(host_disk, medium="host")
+            c.prefill[2].cache(host_disk, medium="disk")
+            c.prefill[2].cache(disk_none, medium="disk")
+            await c.polled()
+            index = {w.engine_id: w.index for w in c.registry.prefill}
+            assert index["p1"].hit(PromptBlocks(pool_host)) == Hit(0, 4, 0)
+            assert index["p2"].hit(PromptBlocks(host_disk)) == Hit(0, 0, 4)
+            for prompt, want in ((pool_host, 0), (host_disk, 1), (disk_none, 2)):
+                await c.polled()  # the last request's load is gone from every worker
+                before = [len(p.prefills) for p in c.prefill]
+                assert tokens(await c.generate(prompt, 4)) == expected(prompt, 4)
+                got = [len(p.prefills) - n for p, n in zip(c.prefill, before, strict=True)]
+                assert got == [i == want for i in range(3)], (want, got)
     asyncio.run(main())

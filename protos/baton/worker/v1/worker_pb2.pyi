@@ -294,7 +294,7 @@ class GetKvEventsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
 
 class GetKvEventsResponse(_message.Message):
-    __slots__ = ("engine_id", "seq", "snapshot", "stored", "removed", "block_size", "enabled")
+    __slots__ = ("engine_id", "seq", "snapshot", "stored", "removed", "block_size", "enabled", "tiers")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class GetKvEventsResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     seq: int
     snapshot: bool
@@ -309,4 +310,15 @@ class GetKvEventsResponse(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
     enabled: bool
-    def __init__(self, engine_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., enabled: _Optional[bool] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[KvTierEvents]
+    def __init__(self, engine_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., enabled: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[KvTierEvents, _Mapping]]] = ...) -> None: ...
+
+class KvTierEvents(_message.Message):
+    __slots__ = ("medium", "stored", "removed")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, medium: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
