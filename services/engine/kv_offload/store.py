@@ -104,12 +104,14 @@ def _parse(f, key: bytes, size: int) -> bytes | None:
 
 class BlockStore:
     """KV blocks under `root`, at most `budget_bytes` of files, shared with every process
-    that opens the same root. Thread-safe. `medium` ("host" or "disk") names the tier."""
+    that opens the same root (each should pass the same budget). Thread-safe. `medium`
+    ("host" or "disk") names the tier, for metrics and events."""
 
     def __init__(self, root: str | os.PathLike, budget_bytes: int, medium: str):
         if medium not in ("host", "disk"):
             raise ValueError(f"medium must be 'host' or 'disk', not {medium!r}")
         self.root = Path(root)
+        self._root = str(root)
         self.budget_bytes = int(budget_bytes)
         self.medium = medium
         self.stats = StoreStats()
@@ -131,22 +133,21 @@ class BlockStore:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
-    def __enter__(self) -> BlockStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def path(self, key: str) -> Path:
         """Where `key`'s block lives (whether or not it is there)."""
+        return Path(self._file(key)[0])
+
+    def _file(self, key: str) -> tuple[str, str, str]:
+        """(the block file, its directory, its hash), as strings: cheaper than Paths."""
         ns, h = split_key(key)
-        return self.root / ns / h[:2] / (h + SUFFIX)
+        folder = os.path.join(self._root, ns, h[:2])
+        return os.path.join(folder, h + SUFFIX), folder, h
 
     def contains(self, key: str) -> bool:
-        return self.path(key).exists()
+        return os.path.exists(self._file(key)[0])
 
     def get(self, key: str) -> bytes | None:
-        path = self.path(key)
+        path = self._file(key)[0]
         payload = None
         try:
             with open(path, "rb") as f:
@@ -168,7 +169,7 @@ class BlockStore:
         """Store `data` under `key`; False if it could not be (larger than the budget, the
         budget held by other processes' writes, a write error). A key already there is
         left as it is, its age refreshed."""
-        path = self.path(key)
+        path, folder, h = self._file(key)
         payload = memoryview(data)
         if payload.format != "B" or payload.ndim != 1:
             payload = payload.cast("B")
@@ -178,7 +179,7 @@ class BlockStore:
         size = len(header) + payload.nbytes
         if size > self.budget_bytes:
             return False
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._names)}{TMP_SUFFIX}")
+        tmp = os.path.join(folder, f".{h}.{os.getpid()}.{next(self._names)}{TMP_SUFFIX}")
         with self._locked():
             if self._touch(path):
                 return True
@@ -199,13 +200,15 @@ class BlockStore:
                 self._unlink(tmp, size)
             return False
         with self._locked():
-            if not tmp.exists():  # taken for a crashed writer's by a scan (a stall)
-                return False
             if self._touch(path):  # another process stored it meanwhile
                 self._unlink(tmp, size)
                 return True
-            os.utime(tmp)  # the new block is the youngest
-            os.replace(tmp, path)
+            try:
+                os.utime(tmp)  # the new block is the youngest
+                os.replace(tmp, path)
+            except OSError:  # gone too (a stall, taken for a crashed writer's): not counted
+                self._unlink(tmp, size)
+                return False
         self._count(saves=1, save_bytes=payload.nbytes)
         return True
 
@@ -277,7 +280,7 @@ class BlockStore:
                 continue
             total += st.st_size
             if kind == "block":
-                blocks.append((st.st_mtime_ns, str(path), key))
+                blocks.append((st.st_mtime_ns, path, key))
         self._usage = total
         self._candidates = deque(heapq.nsmallest(CANDIDATES, blocks))
 
@@ -304,7 +307,7 @@ class BlockStore:
             self._count(evictions=1)
         return True
 
-    def _discard(self, path: Path, st: os.stat_result, key: str) -> None:
+    def _discard(self, path: str, st: os.stat_result, key: str) -> None:
         """Remove a corrupt block file, unless it has been replaced since it was read, and
         count the files again: a damaged file's size may not be the one counted (rare)."""
         with self._locked():
@@ -317,18 +320,18 @@ class BlockStore:
                 self._evicted.append(key)
                 self._scan()
 
-    def _unlink(self, path: str | Path, size: int) -> None:
+    def _unlink(self, path: str, size: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             self._usage -= size
 
-    def _create(self, tmp: Path, size: int) -> int:
+    def _create(self, tmp: str, size: int) -> int:
         """The temp file, created at its full size (so a scan counts what it will hold)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:
-            tmp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
             fd = os.open(tmp, flags, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -353,7 +356,7 @@ class BlockStore:
                 yield from _stat("stray", ns, "")
 
     @staticmethod
-    def _touch(path: Path) -> bool:
+    def _touch(path: str) -> bool:
         try:
             os.utime(path)
             return True
