@@ -6,6 +6,7 @@ Two processes sharing one root: tests/integration/test_kv_store_processes.py."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -132,6 +133,24 @@ def test_least_recently_used_goes_first_and_a_get_or_put_refreshes(tmp_path):
     store.check()
 
 
+def test_a_block_read_elsewhere_after_the_scan_is_not_evicted(tmp_path):
+    """Eviction candidates come from a scan; a block read since (here by another store on
+    the root, as another process would) is younger than the rest and stays."""
+    probe = BlockStore(tmp_path / "probe", 1 << 20, "host")
+    one = file_size(probe, 0)
+    store = BlockStore(tmp_path / "lru", 4 * one, "host")
+    for i in range(4):
+        store.put(key(i), payload(i))
+    age(store, [key(i) for i in range(4)])
+    assert store.put(key(4), payload(4)) and store.evicted() == [key(0)]  # scanned here
+    other = BlockStore(tmp_path / "lru", 4 * one, "host")
+    assert other.get(key(1)) == payload(1)
+    assert store.put(key(5), payload(5))
+    assert store.evicted() == [key(2)]
+    assert sorted(store.keys()) == [key(i) for i in (1, 3, 4, 5)]
+    store.check()
+
+
 def test_the_budget_holds_and_a_block_over_it_is_refused(tmp_path):
     probe = BlockStore(tmp_path / "probe", 1 << 20, "host")
     one = file_size(probe, 0)
@@ -246,7 +265,18 @@ def test_check_names_each_problem(tmp_path):
         assert words in str(e.value)
 
 
-def test_threads_putting_and_getting_keep_the_budget(tmp_path):
+def test_threads_putting_and_getting_keep_the_budget(tmp_path, monkeypatch):
+    make_room, inside, most = BlockStore._make_room, [], []
+
+    def make_room_then_yield(self, size):  # inside the lock: let another thread try it
+        inside.append(1)
+        fits = make_room(self, size)
+        os.sched_yield()
+        most.append(len(inside))
+        inside.pop()
+        return fits
+
+    monkeypatch.setattr(BlockStore, "_make_room", make_room_then_yield)
     probe = BlockStore(tmp_path / "probe", 1 << 20, "host")
     one = file_size(probe, 0, 1024)
     store = BlockStore(tmp_path / "store", 30 * one, "host")
@@ -260,11 +290,17 @@ def test_threads_putting_and_getting_keep_the_budget(tmp_path):
                 wrong.append(i)
 
     threads = [threading.Thread(target=work, args=(n * 50,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads interleave inside each other's calls
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not wrong
+    assert max(most) == 1, "two threads inside the store's lock at once"
     assert store.used_bytes() <= 30 * one
     assert store.stats.hits + store.stats.misses == 800 and store.stats.corrupt == 0
     store.check()
