@@ -1,0 +1,1 @@
+"""KV offload tiers: the block store every tier is built on (store.py)."""
