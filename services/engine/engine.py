@@ -33,7 +33,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_stats import engine_stats
 from .grammar_compiler import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
-from .kv_connector.registry import ConnectorContext
+from .kv_connector.context import ConnectorContext
 from .kv_connector.registry import build as build_connectors
 from .outputs import EngineStats, ModelInfo, RequestOutput
 from .request import Request, RequestStatus
@@ -69,8 +69,9 @@ class LLMEngine:
         self.kv_events = KvEventLog()
         self.pool = BlockPool(num_blocks, self.kv_events)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
-        self.connectors = build_connectors(ConnectorContext(
-            config, self.kv_layout, self.rank_kv_caches, receiver, self.kv_events))
+        self.connectors = build_connectors(ConnectorContext(  # tiers read every rank's cache
+            config, self.kv_layout, self.rank_kv_caches if config.kv_offload_enabled else [],
+            receiver, self.kv_events))
         self.kv.record_published = any(c.saves for c in self.connectors)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy,

@@ -27,4 +27,5 @@ def engine_stats(engine: Any) -> EngineStats:
         num_spec_drafts=spec.num_drafts if spec else 0,
         num_spec_draft_tokens=spec.num_draft_tokens if spec else 0,
         num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-        loras=tuple(engine.loras.names()))
+        loras=tuple(engine.loras.names()),
+        kv_offload=tuple(sorted(engine.connector_stats().get("offload", {}).items())))

@@ -87,6 +87,10 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     loras: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
+    # The offload tiers' counters (kv_connector/offload.py): "<medium>_hits" (blocks
+    # loaded), "_load_bytes", "_saves", "_save_bytes", "_evictions"; "load_misses",
+    # "save_dropped". Empty without tiers.
+    kv_offload: tuple[tuple[str, int], ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -47,6 +47,27 @@ COUNTERS = {
                                               lambda s, _: s.num_spec_accepted_tokens),
 }
 
+TIER_COUNTERS = {  # baton:kv_offload_<what>{medium}: the offload tiers' counters
+    "hits": "Blocks loaded from an offload tier instead of recomputed",
+    "load_bytes": "Bytes loaded from an offload tier",
+    "saves": "Blocks written to an offload tier",
+    "save_bytes": "Bytes written to an offload tier",
+    "evictions": "Blocks this worker evicted from an offload tier",
+}
+
+
+def tier_families(model: str, counts: dict[str, int]):
+    """The tiers' counters, labelled by medium (host, disk); none without tiers."""
+    media = sorted({k.split("_", 1)[0] for k in counts} & {"host", "disk"})
+    if not media:
+        return
+    for what, help_text in TIER_COUNTERS.items():
+        family = CounterMetricFamily(f"baton:kv_offload_{what}", help_text,
+                                     labels=["model_name", "medium"])
+        for medium in media:
+            family.add_metric([model, medium], counts.get(f"{medium}_{what}", 0))
+        yield family
+
 
 class WorkerMetrics:
     def __init__(self, stats, model_name: str, block_bytes: int,
@@ -74,6 +95,7 @@ class WorkerMetrics:
                 family = cls(name, help_text, labels=["model_name"])
                 family.add_metric([self.model], read(s, self.block_bytes))
                 yield family
+        yield from tier_families(self.model, dict(s.kv_offload))
 
     def describe(self):
         return []  # collected fresh at each scrape

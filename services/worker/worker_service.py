@@ -58,7 +58,7 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
             num_spec_draft_tokens=s.num_spec_draft_tokens,
             num_spec_accepted_tokens=s.num_spec_accepted_tokens,
             engine_stalled_since=self.aengine.stalled_since() or 0.0,
-            lora_adapters=s.loras)
+            lora_adapters=s.loras, kv_offload=dict(s.kv_offload))
 
     async def LoadLora(self, request, context):
         a = request.adapter

@@ -129,7 +129,8 @@ def test_loaded_blocks_enter_the_prefix_cache():
 
 
 def test_unknown_and_missing_connectors_are_refused_by_name():
-    from baton.services.engine.kv_connector.registry import ConnectorContext, build
+    from baton.services.engine.kv_connector.context import ConnectorContext
+    from baton.services.engine.kv_connector.registry import build
 
     def ctx(receiver=None, **kw):
         return ConnectorContext(EngineConfig(**kw), None, [], receiver, None)  # type: ignore[arg-type]

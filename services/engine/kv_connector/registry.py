@@ -2,6 +2,7 @@
 first one that has something for a request loads it (kv_loads.py), and every one saves.
 
     pd        the P/D pull (decode role: the engine has a KV receiver)
+    offload   the host and disk tiers (--kv-offload-gib, --kv-offload-disk-path)
 
 Left unnamed (""), an engine stacks what its settings call for: "pd" where it has a
 receiver, then "offload" where a tier is set.
@@ -10,27 +11,9 @@ receiver, then "offload" where a tier is set.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from baton.kv_transfer.base import KVLayout, KVReceiver
-
-from ...common.kv_events import KvEventLog
-from ..config import EngineConfig
 from .base import KVConnector
-
-
-@dataclass
-class ConnectorContext:
-    """What a connector may be built from: the engine's settings, its KV layout and
-    every tensor-parallel rank's caches (`[rank][layer]`), its receiver (decode role),
-    and its KV event log (what routers learn of the blocks it holds)."""
-
-    config: EngineConfig
-    layout: KVLayout
-    rank_caches: list[list]
-    receiver: KVReceiver | None
-    events: KvEventLog
-
+from .context import ConnectorContext
 
 Factory = Callable[[ConnectorContext], KVConnector]
 _FACTORIES: dict[str, Factory] = {}
@@ -75,6 +58,12 @@ def _pd(ctx: ConnectorContext) -> KVConnector:
     return PDConnector(ctx.receiver, ctx.config.block_size)
 
 
+def _offload(ctx: ConnectorContext) -> KVConnector:
+    from .offload import OffloadConnector
+    return OffloadConnector.from_context(ctx)
+
+
 def _register_builtins() -> None:
     if "pd" not in _FACTORIES:
         register("pd", _pd)
+        register("offload", _offload)
