@@ -152,3 +152,43 @@ def _hashes(token_ids: list[int]) -> list[bytes]:
     out: list[bytes] = []
     extend_hashes(out, token_ids, 16)
     return out
+
+
+def test_a_decode_worker_stacks_the_pull_and_the_tiers(make_llm, tiny_model, reference,
+                                                       tmp_path):
+    """pd, then offload: the blocks a decode engine pulled from its prefill engine go to
+    the host tier, where an engine that never saw the prompt finds them."""
+    from baton.kv_transfer.base import KVHandle
+    from baton.kv_transfer.fake import FakeConnector
+
+    host = dict(kv_offload_gib=0.05, kv_offload_host_path=str(tmp_path / "shm"))
+    p = _engine(make_llm, tiny_model).engine
+    made = {}
+
+    def receiver(layout, kv_caches):
+        made["fake"] = FakeConnector("decode-0", layout, kv_caches)
+        return made["fake"]
+
+    d = _engine(make_llm, tiny_model, kv_receiver=receiver, **host)
+    assert [c.name for c in d.engine.connectors] == ["pd", "offload"]
+    sender = FakeConnector("prefill-0", p.kv_layout, p.rank_kv_caches)
+    made["fake"].add_peer("prefill-0", p.kv_layout, sender.metadata())
+    prompt = _prompts()[0]
+    p.add_request(prompt, GREEDY, request_id="r", kv_hold=True)
+    outs = []
+    while p.has_unfinished_requests():
+        outs += [o for o in p.step() if o.request_id == "r"]
+    o = outs[-1]  # its first token, its blocks held under a lease
+    d.engine.add_remote_request(prompt, o.new_token_ids[0], KVHandle(
+        "prefill-0", "r", o.kv_lease_id, tuple(o.kv_block_ids), len(prompt),
+        verified=True), GREEDY, request_id="r")
+    while d.engine.has_unfinished_requests():
+        d.engine.step()
+    p.release_lease("r")
+    assert d.engine.stats().num_blocks_pulled == -(-len(prompt) // 16)
+    assert _settle(d)["host_saves"] >= 8  # what it pulled (and then computed)
+    third = _engine(make_llm, tiny_model, **host)
+    assert [o.token_ids for o in third.generate([prompt], GREEDY)] == reference[:1]
+    assert _settle(third)["host_hits"] == 8
+    sender.close()
+    made["fake"].close()
