@@ -67,6 +67,23 @@ def resolve_tokenizer(tokenizer: str | Path | None, model: str | Path | None,
     return resolve_model(tokenizer, tokenizer_revision, TOKENIZER_FILES)
 
 
+def weights_identity(path: Path, load_format: str, seed: int) -> str:
+    """What tells this checkpoint's weights from another's on this host, for KV that
+    outlives a process (the offload tiers): every file's name, size and modification time
+    (a folder updated in place is another checkpoint; a copy is too, a miss at worst),
+    or the seed of dummy weights. 16 hex digits."""
+    import hashlib
+
+    if load_format == "dummy":
+        text = f"dummy:{seed}"
+    else:
+        root = Path(path)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        text = "|".join(f"{p.relative_to(root) if p != root else p.name}:{st.st_size}:"
+                        f"{st.st_mtime_ns}" for p in files for st in [p.stat()])
+    return hashlib.sha256(f"{load_format}|{text}".encode()).hexdigest()[:16]
+
+
 def model_name(model: str | Path | None, path: Path | None = None) -> str:
     """The model's name, the same on every host however it was given: a hub id (also for
     a path into a hub cache snapshot), else the file or folder name."""

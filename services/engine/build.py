@@ -40,6 +40,7 @@ class Built:
     num_blocks: int
     max_model_len: int
     kv_layout: KVLayout
+    weights: str  # model_source.weights_identity: the offload tiers' keys carry it
 
 
 def load_runner(config: EngineConfig, tp: TPGroup | None = None
@@ -104,8 +105,9 @@ def load(config: EngineConfig, tp: TPGroup | None = None) -> Built:
                          num_kv_heads=model_config.num_kv_heads,
                          head_dim=model_config.head_dim, kv_scales=kv_scales_text(runner),
                          tp_size=config.tensor_parallel_size)
+    weights = model_source.weights_identity(path, config.load_format, config.seed)
     return Built(config, name, tokenizer, model_config, sampling_defaults, runner,
-                 num_blocks, max_model_len, kv_layout)
+                 num_blocks, max_model_len, kv_layout, weights)
 
 
 def kv_scales_text(runner: ModelRunner) -> str:

@@ -225,6 +225,9 @@ class EngineConfig:
         if address is not None and (":" not in address
                                     or not address.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"distributed_init_address must be host:port, got {address!r}")
+        if self.kv_offload_enabled and self.nnodes > 1:
+            raise ValueError("the KV offload tiers copy every tensor-parallel rank's cache "
+                             "from rank 0's process: they need every rank on one host")
         if tp > 1 and self.quantization == "gguf":
             raise ValueError("quantization 'gguf' keeps the file's blocks whole: it is not "
                              "split over tensor-parallel ranks (int8 and w8a8 are)")

@@ -27,7 +27,7 @@ from ..common.tokenizer import (
 from ..lora.adapter import LoRARequest
 from ..lora.registry import EngineLoras
 from .block_pool import BlockPool
-from .build import load
+from .build import Built, load
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .engine_stats import engine_stats
@@ -53,11 +53,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_receiver: ReceiverFactory | None = None):
         t0 = time.monotonic()
         self.ranks = Ranks.start(config, self)  # tensor parallelism: this engine is rank 0
-        try:
-            built = load(config, self.ranks.group if self.ranks else None)
+        try:  # whatever fails, the ranks and the connectors' threads stop
+            self._build(load(config, self.ranks.group if self.ranks else None), kv_receiver)
         except BaseException:
             self.close()
             raise
+        log.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.monotonic() - t0,
+                 self.model_config.architecture, self.config.dtype, self.max_model_len)
+
+    def _build(self, built: Built, kv_receiver: ReceiverFactory | None) -> None:
         self.config = config = built.config
         self.model_name, self.tokenizer = built.model_name, built.tokenizer
         self.model_config = model_config = built.model_config
@@ -71,7 +75,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.connectors = build_connectors(ConnectorContext(  # tiers read every rank's cache
             config, self.kv_layout, self.rank_kv_caches if config.kv_offload_enabled else [],
-            receiver, self.kv_events))
+            receiver, self.kv_events, built.weights))
         self.kv.record_published = any(c.saves for c in self.connectors)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy,
@@ -97,8 +101,6 @@ class LLMEngine:
             dtype=config.dtype)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        log.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.monotonic() - t0,
-                 model_config.architecture, config.dtype, self.max_model_len)
 
     def close(self) -> None:  # stops the connectors' threads and the tensor-parallel ranks
         for conn in getattr(self, "connectors", ()):

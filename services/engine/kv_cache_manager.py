@@ -95,7 +95,7 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
-            if self.record_published:
+            if self.record_published and not request.lora_name:  # (kv_connector/offload.py)
                 self._published.append((hashes[i], blocks[i].block_id))
         self._num_published[request.request_id] = max(done, num_full)
 
@@ -128,6 +128,9 @@ class KVCacheManager:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
     def take_published(self) -> list[tuple[bytes, int]]:
-        """The blocks published since the last call, as (hash, block id)."""
+        """The blocks published since the last call, as (hash, block id), that still hold
+        that hash: a block freed since (a preemption, a failed load) may have been taken
+        by another request in this step, and one published for a step that failed was
+        never written (the engine then drops every hash)."""
         out, self._published = self._published, []
-        return out
+        return [(h, b) for h, b in out if self.pool.blocks[b].block_hash == h]

@@ -18,7 +18,8 @@ a loading request's blocks change. Its contract:
   them. `busy` stays True until then.
 - A load that has not landed within its connector's `load_timeout_s` fails like any
   other, but the request holds no block after it (it starts over, finding its pool hits
-  again): its blocks are set aside until the connector lets go.
+  again, and that connector is not asked for it again): its blocks are set aside until
+  the connector lets go.
 - `wait(budget_s)`: poll until the loads in flight land or the budget is spent: a
   prompt's blocks are a few MB and usually land within a few milliseconds, so the
   request can run in this step instead of the next.
@@ -68,6 +69,8 @@ class KVLoads:
 
     def claim(self, req: Request, num_hit_blocks: int) -> tuple[KVConnector, int] | None:
         for conn in self.connectors:
+            if conn.name in req.kv_timed_out:
+                continue
             n = conn.match(req, num_hit_blocks)
             if n is not None:
                 return conn, n
@@ -111,6 +114,7 @@ class KVLoads:
             elif now - load.started > load.conn.load_timeout_s:
                 # Freed once the connector is done: the request starts over with none.
                 self._set_aside[load.load_id] = (load.conn, self.kv.take(req))
+                req.kv_timed_out.add(load.conn.name)
                 result = LoadResult(0, f"the load did not land within "
                                        f"{load.conn.load_timeout_s:.0f}s")
             else:

@@ -193,7 +193,8 @@ class ModelRunner:
         if not self._rank_caches:
             raise ValueError("the KV caches of this worker's other tensor-parallel ranks "
                              "are not mapped here (ranks on other hosts, or on GPUs): "
-                             "KV transfer needs every rank of a worker on one host, on CPU")
+                             "KV transfer and the KV offload tiers need every rank of a "
+                             "worker on one host, on CPU")
         return self._rank_caches
 
     @property

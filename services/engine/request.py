@@ -83,6 +83,9 @@ class Request:
         self.lease_id: int | None = None
         self.remote: KVHandle | None = None
         self.kv_load_error: str | None = None  # why its pull failed, if it was recomputed
+        # Connectors whose load of it timed out: not asked again (their backlog, if that
+        # is why, would only grow), and its blocks recomputed instead.
+        self.kv_timed_out: set[str] = set()
         self.error: str | None = None  # why an aborted request failed, if it did
         # Structured output: the matcher of its constraint (services/engine/
         # structured_output.py), in the state the output so far leaves it.

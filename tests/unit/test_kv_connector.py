@@ -197,3 +197,130 @@ def test_a_worker_of_another_role_than_the_config_says_refuses_to_start():
     config = EngineConfig(kv_transfer_config='{"kv_role": "kv_producer"}')
     with pytest.raises(ValueError, match="prefill worker; this one is a decode"):
         make_engine(config, None, role="decode")
+
+
+# ---- what is saved, and when a connector is asked -----------------------------------
+
+
+def test_a_saved_block_still_holds_the_hash_it_was_published_under():
+    """A block published, then freed and taken by another request before the save (a
+    preemption in the same schedule), or published for a step that failed (every hash
+    dropped), is not saved: its bytes are not that prefix's."""
+    from baton.services.common.sampling_params import SamplingParams
+    from baton.services.engine.request import Request
+
+    pool = BlockPool(3)  # 2 usable blocks: b must take a's
+    kv = KVCacheManager(pool, BS)
+    kv.record_published = True
+    a, b = req("a", 8), req("b", 8, first=50)
+    assert kv.allocate_slots(a, 8)
+    kv.free(a)
+    assert kv.allocate_slots(b, 8)
+    assert kv.take_published() == [(h, blk) for h, blk in zip(
+        b.block_hashes, kv.block_ids("b"), strict=True)]
+    kv.free(b)
+    c = req("c", 8, first=90)
+    assert kv.allocate_slots(c, 8)
+    pool.reset_prefix_cache()  # what the engine does after a failed step
+    assert kv.take_published() == []
+    kv.free(c)
+    # A LoRA request's blocks never leave the pool: its hash names the adapter as this
+    # process bound it, which another process may bind to other weights.
+    lora = Request("l", list(range(8)), SamplingParams(max_tokens=1), (2,),
+                   lora_name="x")
+    assert kv.allocate_slots(lora, 8) and kv.take_published() == []
+    kv.free(lora)
+    pool.check_all_free()
+
+
+def test_a_connector_whose_load_timed_out_is_not_asked_again():
+    tier = Tier()
+    tier.load_timeout_s = 0.0  # type: ignore[misc]
+    s, pool = make(tier)
+    s.add_request(req("first", 9, max_tokens=1))
+    step(s)
+    tier.held = set(tier.saved)
+    s.kv.pool.reset_prefix_cache()
+    s.add_request(req("r", 9, max_tokens=1))
+    out = s.schedule()
+    # The load timed out at once; the request computes its prompt instead of queueing
+    # one more load behind the one that is late.
+    assert len(tier.loads) == 1 and s.loads.num_failures == 1
+    assert [(x.request_id, n) for x, n in out.scheduled] == [("r", 9)]
+    tier.finish(2)  # the late load ends: the blocks it held are freed
+    s.abort("r")
+    s.schedule()
+    assert not s.loads.busy
+    pool.check_all_free()
+
+
+def test_a_producer_config_builds_no_pull_and_a_failed_stack_closes_what_it_built():
+    from baton.services.engine.kv_connector.context import ConnectorContext
+    from baton.services.engine.kv_connector.registry import build, register
+
+    def ctx(**kw):
+        return ConnectorContext(EngineConfig(**kw), None, [], None, None)  # type: ignore[arg-type]
+
+    producer = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+    assert build(ctx(kv_transfer_config=producer)) == []  # the prefill side serves it
+    closed = []
+
+    class Closing(Tier):
+        name = "test-closing"
+
+        def close(self):
+            closed.append(self)
+
+    def boom(_ctx):
+        raise ValueError("boom")
+
+    register("test-closing", lambda _ctx: Closing())
+    register("test-boom", boom)
+    with pytest.raises(ValueError, match="boom"):
+        build(ctx(kv_connector="test-closing,test-boom"))
+    assert len(closed) == 1
+
+
+def test_the_tiers_are_keyed_by_the_weights_too(tmp_path):
+    """A checkpoint updated in place keeps its name (the P/D fingerprint's model): its
+    files' sizes and times tell it apart, so a tier never serves the old weights' KV."""
+    import os
+
+    from baton.services.common.model_source import weights_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"1" * 10)
+    before = weights_identity(tmp_path, "auto", 0)
+    assert weights_identity(tmp_path, "auto", 0) == before
+    os.utime(tmp_path / "model.safetensors", ns=(1, 1))
+    assert weights_identity(tmp_path, "auto", 0) != before
+    assert weights_identity(tmp_path, "dummy", 0) != weights_identity(tmp_path, "dummy", 1)
+
+
+def test_a_step_saves_what_the_queue_has_room_for_and_counts_the_rest(tmp_path,
+                                                                      monkeypatch):
+    """Past the queue's bytes a step's blocks are dropped, counted, and never copied;
+    before it they are saved, and the bytes counted are the files' payloads."""
+    import torch
+
+    from baton.services.engine.kv_connector import offload
+    from baton.services.engine.kv_connector.base import SavedBlock
+    from baton.services.engine.kv_offload.store import BlockStore
+
+    caches = [torch.arange(8 * 64, dtype=torch.bfloat16).view(8, 2, 4, 8) + i
+              for i in range(3)]  # 3 layers of 8 blocks
+    per_block = 3 * 2 * 4 * 8 * 2
+    monkeypatch.setattr(offload, "MAX_QUEUED_BYTES", int(2.5 * per_block))
+    conn = offload.OffloadConnector([BlockStore(str(tmp_path), 1 << 20, "host")], [caches],
+                                    "f", BS)
+    conn.save([SavedBlock(bytes([i]) * 16, i + 1) for i in range(4)])
+    assert conn.drain()
+    stats = conn.stats()
+    assert (stats["host_saves"], stats["save_dropped"]) == (2, 2)
+    assert stats["host_save_bytes"] == 2 * per_block
+    target = [torch.zeros_like(c) for c in caches]
+    loader = offload.OffloadConnector([BlockStore(str(tmp_path), 1 << 20, "host")],
+                                      [target], "f", BS)
+    assert loader._load_block(bytes([1]) * 16, 5)  # the second block saved, into block 5
+    assert all(torch.equal(t[5], c[2]) for t, c in zip(target, caches, strict=True))
+    conn.close()
+    loader.close()

@@ -14,10 +14,12 @@ from ..config import EngineConfig
 class ConnectorContext:
     """What a connector may be built from: the engine's settings, its KV layout and
     every tensor-parallel rank's caches (`[rank][layer]`), its receiver (decode role),
-    and its KV event log (what routers learn of the blocks it holds)."""
+    its KV event log (what routers learn of the blocks it holds), and which weights it
+    computes with (model_source.weights_identity)."""
 
     config: EngineConfig
     layout: KVLayout
     rank_caches: list[list]
     receiver: KVReceiver | None
     events: KvEventLog
+    weights: str = ""

@@ -11,8 +11,12 @@ Keys. A block's bytes are valid for a reader exactly when its hash matches (the 
 token hash with the namespace, salt and LoRA adapter in it: block_hash.py) and the cache
 that wrote it had the same layout (the P/D handshake's fingerprint: model and revision,
 KV dtype and scales, block size, heads, layout) and held the same heads (the
-tensor-parallel slice). So a key is `<fingerprint>-r<rank>of<size>/<hash>`: one file per
-rank's slice, and a block counts as present in a tier only if every rank's slice is.
+tensor-parallel slice) and computed it with the same weights (the P/D fingerprint names
+the model, not the files: a folder updated in place keeps its name). So a key is
+`<fingerprint and weights>-r<rank>of<size>/<hash>`: one file per rank's slice, and a
+block counts as present in a tier only if every rank's slice is. LoRA requests stay out
+of the tiers: their hashes carry the adapter's name as this process bound it
+(services/lora/registry.py), which another process may bind to other weights.
 
 The save copies the blocks out on the engine thread (a gather: ~0.4 MB a block for the
 default model), because a freed block may be reused by the next step; the files are
@@ -24,6 +28,7 @@ recomputed (kv_loads.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -90,7 +95,8 @@ class OffloadConnector(KVConnector):
         if config.kv_offload_disk_path:
             tiers.append(BlockStore(config.kv_offload_disk_path,
                                     int(config.kv_offload_disk_gib * GIB), "disk"))
-        return cls(tiers, ctx.rank_caches, ctx.layout.fingerprint, config.block_size,
+        namespace = hashlib.sha256(f"{ctx.layout.fingerprint}|{ctx.weights}".encode())
+        return cls(tiers, ctx.rank_caches, namespace.hexdigest()[:16], config.block_size,
                    ctx.events)
 
     def _advertise(self) -> None:
@@ -116,7 +122,7 @@ class OffloadConnector(KVConnector):
     # ---- scheduler side ------------------------------------------------------------
 
     def match(self, req: Request, num_hit_blocks: int) -> int | None:
-        if req.remote is not None:  # its prompt is pulled from its prefill worker
+        if req.remote is not None or req.lora_name:  # pulled from its prefill worker; LoRA
             return None
         # Never the block with the last token: it is computed, for logits to sample.
         last = (req.num_tokens - 1) // self.block_size
@@ -173,16 +179,20 @@ class OffloadConnector(KVConnector):
                                         for k in self._keys(b.block_hash))]
         if not new:
             return
+        per_block = sum(self.payload_bytes)
+        with self._lock:  # as many as the queue has room for, before any copy
+            room = max(0, MAX_QUEUED_BYTES - self._queued_bytes) // per_block
+            if room < len(new):
+                self.counts["save_dropped"] += len(new) - room
+                new = new[:room]
+            size = per_block * len(new)
+            self._queued_bytes += size
+        if not new:
+            return
         ids = torch.tensor([b.block_id for b in new])
         # [block, layer, ...] per rank: each block's slice of every layer, contiguous.
         rows = [torch.stack([c.index_select(0, ids.to(c.device)) for c in caches], dim=1
                             ).cpu() for caches in self.rank_caches]
-        size = sum(r.numel() * r.element_size() for r in rows)
-        with self._lock:
-            if self._queued_bytes + size > MAX_QUEUED_BYTES:
-                self.counts["save_dropped"] += len(new)
-                return
-            self._queued_bytes += size
         self._saves.put(([b.block_hash for b in new], rows, size))
 
     def _save(self, item) -> None:
@@ -197,7 +207,7 @@ class OffloadConnector(KVConnector):
                             continue
                         stored += 1
                         with self._lock:
-                            self.counts[f"{tier.medium}_save_bytes"] += len(data)
+                            self.counts[f"{tier.medium}_save_bytes"] += data.nbytes
                     if stored:
                         with self._lock:
                             self.counts[f"{tier.medium}_saves"] += 1

@@ -38,6 +38,8 @@ def build(ctx: ConnectorContext) -> list[KVConnector]:
     if not wanted:
         wanted = (["pd"] if ctx.receiver is not None else []) + (
             ["offload"] if config.kv_offload_enabled else [])
+    if ctx.receiver is None and config.kv_role == "prefill":  # vLLM's kv_producer
+        wanted = [n for n in wanted if n != "pd"]  # the served side: always on
     if ctx.receiver is not None and "pd" not in wanted:
         raise ValueError("kv_connector: a decode worker pulls its prompts' KV with the "
                          "'pd' connector, so it must be named")
@@ -47,7 +49,15 @@ def build(ctx: ConnectorContext) -> list[KVConnector]:
                          f"{', '.join(names())})")
     if len(set(wanted)) != len(wanted):
         raise ValueError(f"kv_connector: {config.kv_connector!r} names one twice")
-    return [_FACTORIES[n](ctx) for n in wanted]
+    built: list[KVConnector] = []
+    try:
+        for n in wanted:
+            built.append(_FACTORIES[n](ctx))
+    except BaseException:
+        for conn in built:  # their threads, their receiver
+            conn.close()
+        raise
+    return built
 
 
 def _pd(ctx: ConnectorContext) -> KVConnector:

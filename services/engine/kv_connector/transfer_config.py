@@ -3,7 +3,9 @@
 Every key accepted here changes something; any other is refused by name (a setting that
 is silently ignored is a setting the user believes in):
 
-    kv_connector                 "NixlConnector" (Baton's "pd", transport nixl),
+    kv_connector                 "NixlConnector" (Baton's "pd": a decode worker's pull,
+                                 over its --kv-transport; with kv_producer, the side
+                                 that every prefill worker serves anyway),
                                  "OffloadingConnector" ("offload"), "MultiConnector"
                                  (the stack in kv_connector_extra_config.connectors), or
                                  Baton's own names: "pd", "offload"
