@@ -55,6 +55,15 @@ class Tier(KVConnector):
         self.saved += [b.block_hash for b in blocks]
 
 
+def only_in_the_tier(s: Scheduler, tier: Tier, n: int) -> None:
+    """A first request computes an n-token prompt; the tier keeps its full blocks and
+    the pool forgets them."""
+    s.add_request(req("first", n, max_tokens=1))
+    step(s)
+    tier.held = set(tier.saved)
+    s.kv.pool.reset_prefix_cache()
+
+
 def make(tier: Tier, num_blocks: int = 32):
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, BS)
@@ -92,10 +101,7 @@ def test_a_load_failure_under_the_fail_policy_ends_the_request():
     tier = Tier()
     s, pool = make(tier)
     s.load_failure_policy = "fail"
-    s.add_request(req("first", 9, max_tokens=1))
-    step(s)
-    tier.held = set(tier.saved)
-    s.kv.pool.reset_prefix_cache()
+    only_in_the_tier(s, tier, 9)
     s.add_request(r := req("r", 9, max_tokens=1))
     s.schedule()
     tier.finish(1, "disk went away")
@@ -107,10 +113,7 @@ def test_a_load_failure_under_the_fail_policy_ends_the_request():
 def test_loaded_blocks_enter_the_prefix_cache():
     tier = Tier()
     s, pool = make(tier)
-    s.add_request(req("first", 9, max_tokens=1))
-    step(s)
-    tier.held = set(tier.saved)
-    s.kv.pool.reset_prefix_cache()
+    only_in_the_tier(s, tier, 9)
     s.add_request(req("r", 9, max_tokens=2))
     s.schedule()
     tier.finish(2)
@@ -237,10 +240,7 @@ def test_a_connector_whose_load_timed_out_is_not_asked_again():
     tier = Tier()
     tier.load_timeout_s = 0.0  # type: ignore[misc]
     s, pool = make(tier)
-    s.add_request(req("first", 9, max_tokens=1))
-    step(s)
-    tier.held = set(tier.saved)
-    s.kv.pool.reset_prefix_cache()
+    only_in_the_tier(s, tier, 9)
     s.add_request(req("r", 9, max_tokens=1))
     out = s.schedule()
     # The load timed out at once; the request computes its prompt instead of queueing
