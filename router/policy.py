@@ -64,20 +64,25 @@ class Policy:
             return 0
         return worker.index.match(prompt, confirmed=confirmed)
 
-    def held(self, worker, prompt: PromptBlocks | None) -> float:
+    def held(self, worker, prompt: PromptBlocks | None, tiers: bool = True) -> float:
         """The prompt's blocks `worker` holds, those of its tiers weighted (above)."""
         if prompt is None or not self.uses_kv:
             return 0.0
         hit = worker.index.hit(prompt)
+        if not tiers:
+            return hit.pool
         return hit.pool + self.host_weight * hit.host + self.disk_weight * hit.disk
 
-    def uncached(self, worker, prompt: PromptBlocks | None) -> float:
+    def uncached(self, worker, prompt: PromptBlocks | None, tiers: bool = True) -> float:
         if prompt is None:
             return 0
-        return len(prompt.token_ids) - self.held(worker, prompt) * worker.index.block_size
+        held = self.held(worker, prompt, tiers)
+        return len(prompt.token_ids) - held * worker.index.block_size
 
-    def cost(self, worker, prompt: PromptBlocks | None) -> float:
-        kv = self.kv_weight * self.uncached(worker, prompt) if self.kv_weight else 0.0
+    def cost(self, worker, prompt: PromptBlocks | None, tiers: bool = True) -> float:
+        """`tiers=False` for a decode worker that pulls the prompt: what its pool holds
+        shortens the pull, its tiers do not (a pulled prompt is never loaded from them)."""
+        kv = self.kv_weight * self.uncached(worker, prompt, tiers) if self.kv_weight else 0.0
         load = worker.score + (prompt is not None and bool(prompt.lora)
                                and not _serves(worker, prompt.lora))
         return kv + self.load_weight * load

@@ -391,7 +391,7 @@ class Registry:
         if prefer in decodes and (prefer in paired or not paired):
             d = prefer
         else:
-            d = min(paired or decodes, key=lambda w: self.policy.cost(w, prompt))
+            d = min(paired or decodes, key=lambda w: self.policy.cost(w, prompt, tiers=False))
         d.routed += 1
         return d, bool(paired)
 

@@ -30,6 +30,9 @@ STORED, REMOVED, CLEARED = 1, 2, 3
 POOL, HOST, DISK = "pool", "host", "disk"
 TIERS = (HOST, DISK)  # the media besides the pool, the order an engine looks in them
 DEFAULT_CAPACITY = 1 << 16  # events; past them, a reader that lags gets a snapshot
+# A snapshot's hashes per tier, at most: it must fit one gRPC message (64 MiB), and a
+# router keeps a bounded index anyway. A large disk tier is told in part.
+SNAPSHOT_TIER_HASHES = 1 << 18  # ~9 MiB on the wire
 
 
 @dataclass
@@ -99,9 +102,9 @@ class KvEventLog:
             oldest = self._seq - len(self._ring) + 1  # the first event still in the ring
             if after <= 0 or after > self._seq or after + 1 < oldest \
                     or after < self._cleared_at:
-                return KvEvents(self._seq, True, stored=list(self._held[POOL]),
-                                tiers={m: TierEvents(list(self._held[m]))
-                                       for m in TIERS if self._held[m]})
+                return KvEvents(self._seq, True, stored=list(self._held[POOL]), tiers={
+                    m: TierEvents(list(itertools.islice(self._held[m], SNAPSHOT_TIER_HASHES)))
+                    for m in TIERS if self._held[m]})
             last: dict[str, dict[bytes, int]] = {m: {} for m in self._held}
             # From the end: the events since `after` are the newest, and a deque is walked
             # quickly from either end (the engine thread waits on this lock meanwhile).
@@ -118,6 +121,12 @@ class KvEventLog:
 
     def held(self, medium: str) -> int:
         return len(self._medium(medium))
+
+    def hashes(self, medium: str) -> set[bytes]:
+        """A copy of the hashes `medium` holds now."""
+        held = self._medium(medium)
+        with self._lock:
+            return set(held)
 
 
 def _net(last: dict[bytes, int]) -> TierEvents:

@@ -324,3 +324,56 @@ def test_a_step_saves_what_the_queue_has_room_for_and_counts_the_rest(tmp_path,
     assert all(torch.equal(t[5], c[2]) for t, c in zip(target, caches, strict=True))
     conn.close()
     loader.close()
+
+
+def _tiny_offload(root, events=None):
+    import torch
+
+    from baton.services.engine.kv_connector import offload
+    from baton.services.engine.kv_offload.store import BlockStore
+
+    caches = [torch.arange(8 * 64, dtype=torch.bfloat16).view(8, 2, 4, 8) + i
+              for i in range(3)]
+    return offload.OffloadConnector([BlockStore(str(root), 1 << 20, "host")], [caches],
+                                    "f", BS, events)
+
+
+def test_a_shared_tier_is_told_as_it_is_found_whoever_wrote_or_evicted(tmp_path):
+    """Two workers on one host tier: what one saves, the other's events tell at its next
+    sweep; what is gone from the tier (evicted by the other, found corrupt), too."""
+    from baton.services.common.kv_events import HOST, KvEventLog
+    from baton.services.engine.kv_connector.base import SavedBlock
+
+    a_events, b_events = KvEventLog(), KvEventLog()
+    a, b = _tiny_offload(tmp_path, a_events), _tiny_offload(tmp_path, b_events)
+    a.save([SavedBlock(bytes([i]) * 16, i + 1) for i in range(3)])
+    assert a.drain()
+    saved = {bytes([i]) * 16 for i in range(3)}
+    assert a_events.hashes(HOST) == saved and b_events.hashes(HOST) == set()
+    b._sweep()
+    assert b_events.hashes(HOST) == saved
+    a.tiers[0].path(f"{a.namespaces[0]}/{(bytes([1]) * 16).hex()}").unlink()
+    a._sweep()
+    b._sweep()
+    assert a_events.hashes(HOST) == b_events.hashes(HOST) == saved - {bytes([1]) * 16}
+    a.close()
+    b.close()
+
+
+def test_a_load_that_raises_ends_failed_at_once(tmp_path):
+    import time
+
+    conn = _tiny_offload(tmp_path)
+
+    def broken(*_):
+        raise RuntimeError("a tier went away")
+
+    conn._load_block = broken  # type: ignore[method-assign]
+    r = req("r", 9)
+    r.block_hashes = [bytes(16)]
+    conn.start_load("l", r, 0, [1])
+    deadline = time.monotonic() + 5
+    while (result := conn.poll("l")) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert result == LoadResult(0, "the tier load failed")
+    conn.close()

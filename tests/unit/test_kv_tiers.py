@@ -247,3 +247,38 @@ def test_the_workers_own_kv_events_carry_the_tiers_over_the_wire():
     assert {t.medium: (list(t.stored), list(t.removed)) for t in reply.tiers} == {
         HOST: ([], [hashes[3]]), DISK: ([hashes[3], hashes[5]], [])}
     assert index.hit(prompt) == Hit(2, 1, 3)
+
+
+def test_a_decode_pick_counts_the_pool_alone():
+    """A decode worker pulls a prefilled prompt, never loads it from its tiers: only its
+    pool shortens the pull, so its tier blocks must not draw the request to it."""
+    from baton.router.registry import Registry, Worker
+
+    (tiered, prompt), (bare, _) = _indexed(host=range(6)), _indexed()
+    policy = RouterConfig().policy()
+    decodes = [Worker("bare", "decode", None, state="up", index=bare),  # type: ignore[arg-type]
+               Worker("tiered", "decode", None, state="up", index=tiered)]  # type: ignore[arg-type]
+    registry = Registry([], decodes, policy=policy)
+    assert registry.pick_decode(None, prompt=prompt)[0].address == "bare"  # a tie: the first
+    # The same tier blocks do count where the prompt is computed (prefill picks).
+    assert policy.cost(decodes[1], prompt) < policy.cost(decodes[0], prompt)
+
+
+def test_a_snapshot_tells_a_bounded_part_of_a_large_tier(monkeypatch):
+    """A snapshot must fit one gRPC message: past SNAPSHOT_TIER_HASHES a tier is told in
+    part (the pool whole), and the events after it still apply."""
+    from baton.services.common import kv_events
+
+    monkeypatch.setattr(kv_events, "SNAPSHOT_TIER_HASHES", 5)
+    log = KvEventLog()
+    for i in range(12):
+        log.stored(_h(i), DISK)
+    log.stored(_h(99))
+    snap = log.read(0)
+    assert snap.snapshot and snap.stored == [_h(99)] and len(snap.tiers[DISK].stored) == 5
+    assert set(snap.tiers[DISK].stored) <= {_h(i) for i in range(12)}
+    index = PrefixIndex()
+    index.apply(_reply(log, 0))
+    log.removed(_h(0), DISK)
+    index.apply(_reply(log, index.seq))
+    assert _h(0) not in index._tiers and len(index._tiers) <= 5

@@ -34,6 +34,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from collections import Counter
 
 import torch
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 MAX_QUEUED_BYTES = 256 << 20  # copied-out blocks waiting for the saver, at most
+SWEEP_S = 30.0  # how often the saver re-reads the tiers' contents into the KV events
 
 
 def default_host_path() -> str:
@@ -72,7 +74,7 @@ class OffloadConnector(KVConnector):
         size = len(rank_caches)
         self.namespaces = [f"{fingerprint}-r{r}of{size}" for r in range(size)]
         self.counts: Counter[str] = Counter()
-        self._advertise()
+        self._sweep()  # what the tiers hold already: a restart's disk, other workers' blocks
         self._lock = threading.Lock()  # counts and results, between threads
         self._results: dict[str, LoadResult] = {}
         self._loads: queue.Queue = queue.Queue()
@@ -99,18 +101,21 @@ class OffloadConnector(KVConnector):
         return cls(tiers, ctx.rank_caches, namespace.hexdigest()[:16], config.block_size,
                    ctx.events)
 
-    def _advertise(self) -> None:
-        """Tell the routers (KV events, with the medium) of the blocks the tiers hold for
-        this layout already: a restart's disk, the host tier other workers filled. After
-        this, only this worker's own saves and evictions are told (another worker's
-        show up at the next start)."""
+    def _sweep(self) -> None:
+        """Make the KV events say what the tiers hold (rank 0's slices stand for the
+        block): what other workers saved to a shared tier or evicted from it, and what
+        was found corrupt, is told like this worker's own saves and evictions."""
+        self._next_sweep = time.monotonic() + SWEEP_S
         if self.events is None:
             return
         for tier in self.tiers:
-            for key in tier.keys():
-                namespace, hex_hash = key.split("/")
-                if namespace == self.namespaces[0]:
-                    self.events.stored(bytes.fromhex(hex_hash), tier.medium)
+            there = {h for k in tier.keys(self.namespaces[0])
+                     if (h := _hash(k.split("/")[1])) is not None}
+            told = self.events.hashes(tier.medium)
+            for h in told - there:
+                self.events.removed(h, tier.medium)
+            for h in there - told:
+                self.events.stored(h, tier.medium)
 
     def _keys(self, block_hash: bytes) -> list[str]:
         return [f"{ns}/{block_hash.hex()}" for ns in self.namespaces]
@@ -236,18 +241,25 @@ class OffloadConnector(KVConnector):
         return done.wait(timeout_s)
 
     def _run(self, q: queue.Queue, work) -> None:
+        sweeps = work == self._save  # the saver also sweeps, when idle or when due
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=SWEEP_S if sweeps else None)
+            except queue.Empty:
+                item = False  # nothing saved for a while
             if item is None:
                 return
             if isinstance(item, threading.Event):
                 item.set()
                 continue
             try:
-                work(item)
+                if item is not False:
+                    work(item)
+                if sweeps and time.monotonic() >= self._next_sweep:
+                    self._sweep()
             except Exception:  # a tier's I/O error must not kill the thread
                 log.exception("KV offload %s failed", work.__name__)
-                if work is self._load:  # the load ends, failed as a whole
+                if work == self._load and item:  # the load ends, failed as a whole
                     with self._lock:
                         self._results[item[0]] = LoadResult(0, "the tier load failed")
 
@@ -264,3 +276,10 @@ def _rows(payload: bytes, caches: list) -> torch.Tensor:
     """A block's file payload as `[layer, *block shape]` (bytes, as the caches' views)."""
     flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return flat.view(len(caches), *caches[0].shape[1:])
+
+
+def _hash(name: str) -> bytes | None:
+    try:
+        return bytes.fromhex(name)
+    except ValueError:  # a file no worker of ours wrote
+        return None

@@ -110,8 +110,7 @@ class BlockStore:
     def __init__(self, root: str | os.PathLike, budget_bytes: int, medium: str):
         if medium not in ("host", "disk"):
             raise ValueError(f"medium must be 'host' or 'disk', not {medium!r}")
-        self.root = Path(root)
-        self._root = str(root)
+        self.root, self._root = Path(root), str(root)
         self.budget_bytes = int(budget_bytes)
         self.medium = medium
         self.stats = StoreStats()
@@ -133,8 +132,7 @@ class BlockStore:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
-    def path(self, key: str) -> Path:
-        """Where `key`'s block lives (whether or not it is there)."""
+    def path(self, key: str) -> Path:  # where `key`'s block lives (or would)
         return Path(self._file(key)[0])
 
     def _file(self, key: str) -> tuple[str, str, str]:
@@ -217,8 +215,13 @@ class BlockStore:
         with self._locked():
             return self._usage
 
-    def keys(self) -> list[str]:
-        return [key for kind, _, _, key in self._walk() if kind == "block"]
+    def keys(self, namespace: str | None = None) -> list[str]:
+        """Every block's key; or those under `namespace`, by name alone (no stat: cheap)."""
+        if namespace is None:
+            return [key for kind, _, _, key in self._walk() if kind == "block"]
+        return [f"{namespace}/{f.name[:-len(SUFFIX)]}" for shard in _entries(
+            os.path.join(self._root, namespace)) for f in _entries(shard.path)
+            if f.name.endswith(SUFFIX) and not f.name.startswith(".")]
 
     def evicted(self) -> list[str]:
         """The keys this process evicted, or removed as corrupt, since the last call."""
