@@ -125,8 +125,9 @@ FLAGS: list[Flag] = [
     _f("kv-lease-timeout", ("prefill",), "engine.kv_lease_timeout_s",
        "prefill: seconds a handed-off request's blocks stay held for its decode worker",
        kind=float),
-    _f("kv-load-failure-policy", ("decode",), "engine.kv_load_failure_policy",
-       "decode: when a KV pull fails, prefill locally (recompute) or fail the request",
+    _f("kv-load-failure-policy", WORKERS, "engine.kv_load_failure_policy",
+       "when a KV load fails (a decode worker's pull, a tier's blocks), compute what did "
+       "not land (recompute) or fail the request",
        choices=("recompute", "fail")),
     _f("kv-connector", WORKERS, "engine.kv_connector",
        "KV connectors, in order: pd (a decode worker's pull), offload (the tiers); "

@@ -27,6 +27,7 @@ from baton.services.common.kv_events import KvEventLog
 from baton.services.rpc.errors import retry_metadata
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, make_server, method_name, service_name
+from baton.services.worker.messages import kv_events_message
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 from baton.worker.v1 import worker_pb2 as wk
@@ -259,12 +260,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
 
     async def GetKvEvents(self, request, context):
         ev = self.kv.read(request.after if request.engine_id == self.engine_id else 0)
-        return wk.GetKvEventsResponse(engine_id=self.engine_id, seq=ev.seq,
-                                      snapshot=ev.snapshot, stored=ev.stored,
-                                      removed=ev.removed, block_size=16, enabled=True,
-                                      tiers=[wk.KvTierEvents(medium=m, stored=t.stored,
-                                                             removed=t.removed)
-                                             for m, t in ev.tiers.items()])
+        return kv_events_message(ev, self.engine_id, 16, True)
 
 
 async def _serve(worker: FakeWorker, host: str = "127.0.0.1", port: int = 0

@@ -88,7 +88,7 @@ class EngineConfig:
     # Weights kept quantized: None, "int8" or "gguf" (services/engine/quantization.py).
     quantization: str | None = None
     kv_lease_timeout_s: float = 30.0  # prefill role: held blocks are freed after this
-    kv_load_failure_policy: str = "recompute"  # decode role: "recompute" locally, or "fail"
+    kv_load_failure_policy: str = "recompute"  # a failed KV load: "recompute" it, or "fail"
     # KV connectors (kv_connector/registry.py): "pd", "offload", or both ("pd,offload");
     # "" stacks what the settings call for. `kv_transfer_config`: vLLM's JSON, read into
     # these fields (kv_connector/transfer_config.py); `kv_role` is the role it names.
@@ -187,6 +187,10 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     @property
+    def kv_connector_names(self) -> list[str]:
+        return [n.strip() for n in self.kv_connector.split(",") if n.strip()]
+
+    @property
     def kv_offload_enabled(self) -> bool:
         return self.kv_offload_gib > 0 or bool(self.kv_offload_disk_path)
 
@@ -201,7 +205,7 @@ class EngineConfig:
         if bool(self.kv_offload_disk_path) != (self.kv_offload_disk_gib > 0):
             raise ValueError("the disk tier needs both kv_offload_disk_path and "
                              "kv_offload_disk_gib > 0")
-        names = [n.strip() for n in self.kv_connector.split(",") if n.strip()]
+        names = self.kv_connector_names
         if "offload" in names and not self.kv_offload_enabled:
             raise ValueError("kv_connector 'offload' needs a tier: kv_offload_gib > 0 or "
                              "kv_offload_disk_path")

@@ -11,7 +11,8 @@ from .outputs import EngineStats
 def engine_stats(engine: Any) -> EngineStats:
     """`engine`: the LLMEngine (untyped here: this module must not import it back)."""
     s, spec = engine.scheduler, engine.spec
-    pd = engine.connector_stats().get("pd", {})
+    conns = engine.connector_stats()
+    pd = conns.get("pd", {})
     return EngineStats(
         num_waiting=len(s.waiting), num_running=len(s.running),
         num_loading=s.num_loading, num_leases=len(s.leases),
@@ -28,4 +29,4 @@ def engine_stats(engine: Any) -> EngineStats:
         num_spec_draft_tokens=spec.num_draft_tokens if spec else 0,
         num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         loras=tuple(engine.loras.names()),
-        kv_offload=tuple(sorted(engine.connector_stats().get("offload", {}).items())))
+        kv_offload=tuple(sorted(conns.get("offload", {}).items())))

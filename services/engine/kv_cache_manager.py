@@ -16,10 +16,10 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks already in the cache map
         self._private: set[str] = set()  # requests whose blocks are never published
-        # Blocks published since take_published(): (hash, block id), for the connectors
-        # that save them (kv_loads.py). Kept only when one does.
+        # Blocks published since take_published(): (hash, block id, LoRA adapter), for
+        # the connectors that save them (kv_loads.py). Kept only when one does.
         self.record_published = False
-        self._published: list[tuple[bytes, int]] = []
+        self._published: list[tuple[bytes, int, str | None]] = []
         self.num_queries = 0  # prompt tokens looked up
         self.num_hits = 0  # of which found cached
 
@@ -95,8 +95,8 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
-            if self.record_published and not request.lora_name:  # (kv_connector/offload.py)
-                self._published.append((hashes[i], blocks[i].block_id))
+            if self.record_published:
+                self._published.append((hashes[i], blocks[i].block_id, request.lora_name))
         self._num_published[request.request_id] = max(done, num_full)
 
     def keep_private(self, request: Request) -> None:
@@ -127,10 +127,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
-    def take_published(self) -> list[tuple[bytes, int]]:
-        """The blocks published since the last call, as (hash, block id), that still hold
-        that hash: a block freed since (a preemption, a failed load) may have been taken
-        by another request in this step, and one published for a step that failed was
-        never written (the engine then drops every hash)."""
+    def take_published(self) -> list[tuple[bytes, int, str | None]]:
+        """The blocks published since the last call, as (hash, block id, LoRA adapter),
+        that still hold that hash: a block freed since (a preemption, a failed load) may
+        have been taken by another request in this step, and one published for a step
+        that failed was never written (the engine then drops every hash)."""
         out, self._published = self._published, []
-        return [(h, b) for h, b in out if self.pool.blocks[b].block_hash == h]
+        return [p for p in out if self.pool.blocks[p[1]].block_hash == p[0]]

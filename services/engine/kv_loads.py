@@ -159,7 +159,7 @@ class KVLoads:
 
     def save(self) -> None:
         """The step has run: hand the blocks it made full to every connector."""
-        blocks = [SavedBlock(h, b) for h, b in self.kv.take_published()]
+        blocks = [SavedBlock(*p) for p in self.kv.take_published()]
         if blocks:
             for conn in self.connectors:
                 conn.save(blocks)

@@ -8,8 +8,19 @@ from baton.kv_transfer.base import KVLayout
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 
+from ..common.kv_events import KvEvents
 from ..engine.outputs import ModelInfo, RequestOutput
 from ..rpc.convert import FINISH, logprobs_messages, set_stop_reason
+
+
+def kv_events_message(ev: KvEvents, engine_id: str, block_size: int,
+                      enabled: bool) -> wk.GetKvEventsResponse:
+    """A KvEventLog.read() on the wire: the pool's events, and each tier's by medium."""
+    return wk.GetKvEventsResponse(
+        engine_id=engine_id, seq=ev.seq, snapshot=ev.snapshot, stored=ev.stored,
+        removed=ev.removed, block_size=block_size, enabled=enabled,
+        tiers=[wk.KvTierEvents(medium=m, stored=t.stored, removed=t.removed)
+               for m, t in ev.tiers.items()])
 
 
 def layout_message(layout: KVLayout) -> wk.KvLayout:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..common.kv_events import TIERS
 from ..rpc.config import ServiceConfig
 from ..rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
 from .vllm_metrics import VllmMetrics
@@ -58,7 +59,7 @@ TIER_COUNTERS = {  # baton:kv_offload_<what>{medium}: the offload tiers' counter
 
 def tier_families(model: str, counts: dict[str, int]):
     """The tiers' counters, labelled by medium (host, disk); none without tiers."""
-    media = sorted({k.split("_", 1)[0] for k in counts} & {"host", "disk"})
+    media = sorted({k.split("_", 1)[0] for k in counts} & set(TIERS))
     if not media:
         return
     for what, help_text in TIER_COUNTERS.items():

@@ -17,7 +17,7 @@ from ..lora import calls as lora_calls
 from ..rpc.errors import FailedPrecondition, InvalidArgument
 from ..rpc.server import Lifecycle
 from .async_engine import AsyncEngine
-from .messages import layout_message, model_info_message
+from .messages import kv_events_message, layout_message, model_info_message
 
 READ_CHUNK_BLOCKS = 8  # blocks per ReadKvBlocks message
 
@@ -72,13 +72,8 @@ class WorkerServicer(wk_grpc.WorkerServiceServicer):
     async def GetKvEvents(self, request, context):
         engine = self.aengine.engine
         after = request.after if request.engine_id == self.engine_id else 0
-        ev = engine.kv_events.read(after)
-        return wk.GetKvEventsResponse(
-            engine_id=self.engine_id, seq=ev.seq, snapshot=ev.snapshot, stored=ev.stored,
-            removed=ev.removed, block_size=self.layout.block_size,
-            enabled=engine.config.enable_prefix_caching,
-            tiers=[wk.KvTierEvents(medium=m, stored=t.stored, removed=t.removed)
-                   for m, t in ev.tiers.items()])
+        return kv_events_message(engine.kv_events.read(after), self.engine_id,
+                                 self.layout.block_size, engine.config.enable_prefix_caching)
 
     async def ReadKvBlocks(self, request, context):
         """The blocks held under lease `lease_id` of `request_id`, checked before the

@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
@@ -58,6 +59,16 @@ def until_served(router: str, req: gen.GenerateRequest, timeout: float = 30.0):
             if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def health(address: str) -> int:
+    """The gRPC health status a process reports, or -1 if it does not answer."""
+    try:
+        with channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=5).status
+    except grpc.RpcError:
+        return -1  # gone
 
 
 def stats(address: str) -> wk.GetStatsResponse:

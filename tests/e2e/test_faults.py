@@ -14,7 +14,7 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
@@ -24,6 +24,7 @@ from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 from tests.e2e.helpers import (
     all_free_within,
     greedy,
+    health,
     joined,
     run,
     running_worker,
@@ -81,12 +82,6 @@ def _fill(prefill: str, offline, n: int = 4) -> None:
 
 def _holds(s: wk.GetStatsResponse) -> bool:
     return s.num_waiting + s.num_running + s.num_leases > 0
-
-
-def _health(address: str) -> int:
-    with channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                    timeout=5).status
 
 
 def _wait_for(check, timeout: float, what: str) -> None:
@@ -268,15 +263,15 @@ def test_sigterm_on_the_prefill_worker_hands_over_what_it_holds(faults, offline)
         _wait_for(all_in_and_one_held, 30, "the prefill worker holds no lease, or not all six")
         proc = topo.kill(p, signal.SIGTERM)
         STOPPED.add(p)
-        _wait_for(lambda: _health(p) != health_pb2.HealthCheckResponse.SERVING, 60,
+        _wait_for(lambda: health(p) != health_pb2.HealthCheckResponse.SERVING, 60,
                   "health still says SERVING")
-        health = _health(p)  # in the drain: it still answers, NOT_SERVING
+        status = health(p)  # in the drain: it still answers, NOT_SERVING
     finally:
         for d in ("d1", "d2"):
             topo.kill(faults[d], signal.SIGCONT)
     for t in threads:
         t.join(timeout=120)
-    assert health == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert [results.get(i) for i in range(6)] == [(w.token_ids, w.text) for w in want]
     assert proc is not None and proc.wait(timeout=60) == 0
     after = {d: stats(faults[d]) for d in ("d1", "d2")}

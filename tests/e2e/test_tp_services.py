@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
@@ -23,6 +23,7 @@ from baton.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.helpers import (
     all_free_within,
     greedy,
+    health,
     joined,
     run,
     running_worker,
@@ -55,15 +56,6 @@ def services(tmp_path_factory, tiny_model):
                "both": both, "d2": d2, "spare": spare}
     finally:
         topo.stop()
-
-
-def _health(address: str) -> int:
-    try:
-        with channel(address) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=5).status
-    except grpc.RpcError:
-        return -1  # gone
 
 
 def _ranks(pid: int) -> list[int]:
@@ -126,7 +118,7 @@ def test_a_dead_rank_takes_its_worker_down_and_the_router_moves_its_stream(servi
     assert joined(msgs) == (ref.token_ids, ref.text), stream_diff(msgs, ref.token_ids,
                                                                   ref.text)
     deadline = time.monotonic() + 30
-    while _health(services["d2"]) == health_pb2.HealthCheckResponse.SERVING:
+    while health(services["d2"]) == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "health stayed SERVING after a rank died"
         time.sleep(0.05)
     assert worker.wait(timeout=60) != 0, "the worker was meant to stop itself, failed"
@@ -150,7 +142,7 @@ def test_one_worker_over_two_nodes_on_loopback(tmp_path_factory, tiny_model, off
         node1.send_signal(signal.SIGKILL)
         node1.wait()
         deadline = time.monotonic() + 30
-        while _health(address) == health_pb2.HealthCheckResponse.SERVING:
+        while health(address) == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "health stayed SERVING after node 1 died"
             time.sleep(0.05)
         with pytest.raises(grpc.RpcError):

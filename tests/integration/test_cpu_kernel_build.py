@@ -11,8 +11,9 @@ from baton.kernels import cpu_ops
 
 
 def test_the_cpu_kernels_build_where_there_is_a_compiler():
-    if shutil.which("c++"):
-        assert cpu_ops.ops() is not None, cpu_ops.failure()
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+    assert cpu_ops.ops() is not None, cpu_ops.failure()
 
 
 def test_a_build_loads_as_it_is_where_there_is_no_compiler(tmp_path):

@@ -77,11 +77,8 @@ def make(tier: Tier, num_blocks: int = 32):
 def test_only_what_did_not_load_is_computed(num_ok, error):
     tier = Tier()
     s, pool = make(tier)
-    s.add_request(first := req("first", 19, max_tokens=1))
-    step(s)
-    assert first.status.finished and len(tier.saved) == 4  # the 4 full prompt blocks
-    tier.held = set(tier.saved)
-    s.kv.pool.reset_prefix_cache()  # the pool forgets them: only the tier has them
+    only_in_the_tier(s, tier, 19)
+    assert s.requests == {} and len(tier.saved) == 4  # the 4 full prompt blocks
     s.add_request(r := req("r", 19, max_tokens=1))
     s.schedule()
     assert r.status is RequestStatus.WAITING_FOR_KV
@@ -131,12 +128,15 @@ def test_loaded_blocks_enter_the_prefix_cache():
 # ---- choosing connectors ----------------------------------------------------------
 
 
-def test_unknown_and_missing_connectors_are_refused_by_name():
+def ctx(receiver=None, **kw):
+    """What the registry builds from: these EngineConfig settings, no model."""
     from baton.services.engine.kv_connector.context import ConnectorContext
-    from baton.services.engine.kv_connector.registry import build
 
-    def ctx(receiver=None, **kw):
-        return ConnectorContext(EngineConfig(**kw), None, [], receiver, None)  # type: ignore[arg-type]
+    return ConnectorContext(EngineConfig(**kw), None, [], receiver, None)  # type: ignore[arg-type]
+
+
+def test_unknown_and_missing_connectors_are_refused_by_name():
+    from baton.services.engine.kv_connector.registry import build
 
     with pytest.raises(ValueError, match="'lmcache'"):
         build(ctx(kv_connector="lmcache"))
@@ -205,11 +205,12 @@ def test_a_worker_of_another_role_than_the_config_says_refuses_to_start():
 # ---- what is saved, and when a connector is asked -----------------------------------
 
 
-def test_a_saved_block_still_holds_the_hash_it_was_published_under():
+def test_a_saved_block_still_holds_the_hash_it_was_published_under(tmp_path):
     """A block published, then freed and taken by another request before the save (a
     preemption in the same schedule), or published for a step that failed (every hash
     dropped), is not saved: its bytes are not that prefix's."""
     from baton.services.common.sampling_params import SamplingParams
+    from baton.services.engine.kv_connector.base import SavedBlock
     from baton.services.engine.request import Request
 
     pool = BlockPool(3)  # 2 usable blocks: b must take a's
@@ -219,7 +220,7 @@ def test_a_saved_block_still_holds_the_hash_it_was_published_under():
     assert kv.allocate_slots(a, 8)
     kv.free(a)
     assert kv.allocate_slots(b, 8)
-    assert kv.take_published() == [(h, blk) for h, blk in zip(
+    assert kv.take_published() == [(h, blk, None) for h, blk in zip(
         b.block_hashes, kv.block_ids("b"), strict=True)]
     kv.free(b)
     c = req("c", 8, first=90)
@@ -227,11 +228,15 @@ def test_a_saved_block_still_holds_the_hash_it_was_published_under():
     pool.reset_prefix_cache()  # what the engine does after a failed step
     assert kv.take_published() == []
     kv.free(c)
-    # A LoRA request's blocks never leave the pool: its hash names the adapter as this
+    # A LoRA request's blocks never reach a tier: its hash names the adapter as this
     # process bound it, which another process may bind to other weights.
     lora = Request("l", list(range(8)), SamplingParams(max_tokens=1), (2,),
                    lora_name="x")
-    assert kv.allocate_slots(lora, 8) and kv.take_published() == []
+    assert kv.allocate_slots(lora, 8)
+    conn = _tiny_offload(tmp_path)
+    conn.save([SavedBlock(*p) for p in kv.take_published()])
+    assert conn.drain() and "host_saves" not in conn.stats()
+    conn.close()
     kv.free(lora)
     pool.check_all_free()
 
@@ -255,11 +260,7 @@ def test_a_connector_whose_load_timed_out_is_not_asked_again():
 
 
 def test_a_producer_config_builds_no_pull_and_a_failed_stack_closes_what_it_built():
-    from baton.services.engine.kv_connector.context import ConnectorContext
     from baton.services.engine.kv_connector.registry import build, register
-
-    def ctx(**kw):
-        return ConnectorContext(EngineConfig(**kw), None, [], None, None)  # type: ignore[arg-type]
 
     producer = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
     assert build(ctx(kv_transfer_config=producer)) == []  # the prefill side serves it
@@ -304,37 +305,39 @@ def test_a_step_saves_what_the_queue_has_room_for_and_counts_the_rest(tmp_path,
 
     from baton.services.engine.kv_connector import offload
     from baton.services.engine.kv_connector.base import SavedBlock
-    from baton.services.engine.kv_offload.store import BlockStore
 
-    caches = [torch.arange(8 * 64, dtype=torch.bfloat16).view(8, 2, 4, 8) + i
-              for i in range(3)]  # 3 layers of 8 blocks
+    caches = _tiny_caches()
     per_block = 3 * 2 * 4 * 8 * 2
     monkeypatch.setattr(offload, "MAX_QUEUED_BYTES", int(2.5 * per_block))
-    conn = offload.OffloadConnector([BlockStore(str(tmp_path), 1 << 20, "host")], [caches],
-                                    "f", BS)
+    conn = _tiny_offload(tmp_path, caches=caches)
     conn.save([SavedBlock(bytes([i]) * 16, i + 1) for i in range(4)])
     assert conn.drain()
     stats = conn.stats()
     assert (stats["host_saves"], stats["save_dropped"]) == (2, 2)
     assert stats["host_save_bytes"] == 2 * per_block
     target = [torch.zeros_like(c) for c in caches]
-    loader = offload.OffloadConnector([BlockStore(str(tmp_path), 1 << 20, "host")],
-                                      [target], "f", BS)
+    loader = _tiny_offload(tmp_path, caches=target)
     assert loader._load_block(bytes([1]) * 16, 5)  # the second block saved, into block 5
     assert all(torch.equal(t[5], c[2]) for t, c in zip(target, caches, strict=True))
     conn.close()
     loader.close()
 
 
-def _tiny_offload(root, events=None):
+def _tiny_caches() -> list:
+    """3 layers of 8 blocks, each element distinct per layer."""
     import torch
 
+    return [torch.arange(8 * 64, dtype=torch.bfloat16).view(8, 2, 4, 8) + i
+            for i in range(3)]
+
+
+def _tiny_offload(root, events=None, caches=None):
+    """An offload connector over a 1 MiB host tier at `root` and `caches`."""
     from baton.services.engine.kv_connector import offload
     from baton.services.engine.kv_offload.store import BlockStore
 
-    caches = [torch.arange(8 * 64, dtype=torch.bfloat16).view(8, 2, 4, 8) + i
-              for i in range(3)]
-    return offload.OffloadConnector([BlockStore(str(root), 1 << 20, "host")], [caches],
+    return offload.OffloadConnector([BlockStore(str(root), 1 << 20, "host")],
+                                    [caches if caches is not None else _tiny_caches()],
                                     "f", BS, events)
 
 

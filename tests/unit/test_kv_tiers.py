@@ -16,6 +16,7 @@ from baton.router.policy import Policy
 from baton.services.common.kv_events import DISK, HOST, POOL, TIERS, KvEventLog
 from baton.services.engine.outputs import ModelInfo
 from baton.services.rpc.server import Lifecycle
+from baton.services.worker.messages import kv_events_message
 from baton.services.worker.worker_service import WorkerServicer
 from baton.worker.v1 import worker_pb2 as wk
 from tests.tp_caches import layout, split, whole
@@ -28,12 +29,7 @@ def _h(i: int) -> bytes:
 
 
 def _reply(log: KvEventLog, after: int, engine_id: str = "e1") -> wk.GetKvEventsResponse:
-    ev = log.read(after)
-    return wk.GetKvEventsResponse(
-        engine_id=engine_id, seq=ev.seq, snapshot=ev.snapshot, stored=ev.stored,
-        removed=ev.removed, block_size=BS, enabled=True,
-        tiers=[wk.KvTierEvents(medium=m, stored=t.stored, removed=t.removed)
-               for m, t in ev.tiers.items()])
+    return kv_events_message(log.read(after), engine_id, BS, True)
 
 
 def test_each_medium_has_its_own_entry_and_a_read_collapses_per_hash_and_medium():
@@ -279,6 +275,9 @@ def test_a_snapshot_tells_a_bounded_part_of_a_large_tier(monkeypatch):
     assert set(snap.tiers[DISK].stored) <= {_h(i) for i in range(12)}
     index = PrefixIndex()
     index.apply(_reply(log, 0))
-    log.removed(_h(0), DISK)
+    assert set(index._tiers) == set(snap.tiers[DISK].stored)
+    told = snap.tiers[DISK].stored[0]
+    log.removed(told, DISK)
+    log.stored(_h(50), DISK)
     index.apply(_reply(log, index.seq))
-    assert _h(0) not in index._tiers and len(index._tiers) <= 5
+    assert set(index._tiers) == set(snap.tiers[DISK].stored[1:]) | {_h(50)}

@@ -1,4 +1,4 @@
-"""W6 (docs/benchmarks.md): 48 tenants' 1,024-token prefixes, about 4.4x a 0.25 GiB
+"""W6 (docs/benchmarks.md): 48 tenants' 1,024-token prefixes, about 4.2x a 0.25 GiB
 pool, with the KV offload tiers and without, in the same run.
 
     python -m baton.tools.bench.tiers [--modes offline served] [--host-gib 2]

@@ -7,10 +7,11 @@ block ids to fill, then `poll`s until the load ends. A load that ends with an er
 how many of its leading blocks did land (`LoadResult.num_ok_blocks`): those count as
 computed, only the rest is recomputed.
 
-After every step, every connector may `save` the blocks the step made full: their
-contents are final then, and stay so until the next schedule (a freed block is reused
-only by a later step's allocation), so a connector that copies them out in `save`
-(on the engine thread) may write them anywhere later, behind the steps.
+After every step, every connector may `save` the blocks the step made full (and those
+loads landed): their contents are final then, and each still holds the hash it is given
+with (KVCacheManager.take_published drops a block freed and taken since). A freed block
+may be reused by the next schedule, so a connector copies what it keeps in `save` (on
+the engine thread) and may write the copy anywhere later, behind the steps.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ class LoadResult:
 
 @dataclass(frozen=True)
 class SavedBlock:
-    """A full block the last step computed (or a load landed): its chained hash and id."""
+    """A full block the last step computed (or a load landed): its chained hash and id,
+    and the LoRA adapter of the request that published it (its hash names it)."""
 
     block_hash: bytes
     block_id: int
+    lora_name: str | None = None
 
 
 class KVConnector(ABC):
@@ -57,12 +60,6 @@ class KVConnector(ABC):
     def publishable(self, req: Request) -> bool:
         """May the blocks this connector loads for `req` enter the shared prefix cache?"""
         return True
-
-    def request_finished(self, req: Request) -> bool:
-        """The request ended: True if the connector keeps its blocks (the caller then
-        does not free them). The prefill role's lease is the one hold there is today,
-        kept by the scheduler's LeaseTable; every connector here answers False."""
-        return False
 
     # ---- worker side ---------------------------------------------------------------
 

@@ -180,8 +180,8 @@ class OffloadConnector(KVConnector):
         return False
 
     def save(self, blocks: list[SavedBlock]) -> None:
-        new = [b for b in blocks if any(not t.contains(k) for t in self.tiers
-                                        for k in self._keys(b.block_hash))]
+        new = [b for b in blocks if b.lora_name is None and any(
+            not t.contains(k) for t in self.tiers for k in self._keys(b.block_hash))]
         if not new:
             return
         per_block = sum(self.payload_bytes)

@@ -34,7 +34,7 @@ def build(ctx: ConnectorContext) -> list[KVConnector]:
     """The engine's connector stack; ValueError naming what does not fit."""
     _register_builtins()
     config = ctx.config
-    wanted = [n.strip() for n in config.kv_connector.split(",") if n.strip()]
+    wanted = config.kv_connector_names
     if not wanted:
         wanted = (["pd"] if ctx.receiver is not None else []) + (
             ["offload"] if config.kv_offload_enabled else [])
