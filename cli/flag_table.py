@@ -7,7 +7,7 @@ from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.tool_parsers import TOOL_PARSERS
 from baton.services.engine.config import DTYPES, KV_CACHE_DTYPES
 
-from .flag_spec import CLUSTER, ROLES, ROUTERS, WORKERS, Flag, _f
+from .flag_spec import ROLES, ROUTERS, WORKERS, Flag, _f
 
 FLAGS: list[Flag] = [
     # -- every service
@@ -25,16 +25,18 @@ FLAGS: list[Flag] = [
     _f("tls-server-name", ("router", "decode"), "service.tls_server_name",
        "the name the workers' certificates carry, checked instead of the address dialed "
        "(workers found by dns:/// are dialed by IP)", optional=True),
-    _f("cluster-token", CLUSTER, "service.cluster_token",
+    _f("cluster-token", ROLES, "service.cluster_token",
        "the secret the router and the workers share: a worker takes calls (health aside) "
-       "only with it, and a decode worker pulls KV only from prefill workers that prove "
-       "they hold it (at least 16 characters; prefer the variable or a file)",
+       "only with it, a decode worker pulls KV only from prefill workers that prove they "
+       "hold it, tensor-parallel ranks on other hosts prove it to join, and it keys the "
+       "KV tiers' block MACs (at least 16 characters; prefer the variable or a file)",
        optional=True, secret=True),
-    _f("cluster-token-file", CLUSTER, "service.cluster_token_file",
+    _f("cluster-token-file", ROLES, "service.cluster_token_file",
        "a file holding the cluster token (one line)", optional=True),
-    _f("insecure-no-cluster-auth", ("prefill", "decode"), "worker.insecure_no_cluster_auth",
+    _f("insecure-no-cluster-auth", WORKERS, "worker.insecure_no_cluster_auth",
        "start a worker that listens beyond loopback with neither a cluster token nor "
-       "mutual TLS (else it refuses to): anyone who reaches it can call it", kind=bool),
+       "mutual TLS, or whose tensor-parallel ranks span hosts with no cluster token (else "
+       "it refuses to): anyone who reaches it can call it, or join its ranks", kind=bool),
     _f("metrics-port", ROLES, "service.metrics_port",
        "Prometheus /metrics on this HTTP port (0: none; the router also serves them on "
        "--http-port), over TLS when the service has --tls-cert", kind=int),

@@ -3,7 +3,7 @@ when a property asks for a torch object), so the CLI reads its defaults without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..lora.names import parse_lora_module
 
@@ -126,6 +126,12 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     distributed_init_address: str | None = None
+    # The cluster's shared secret (the worker's --cluster-token, copied in by WorkerConfig):
+    # a tensor-parallel rank proves it holds it before it takes a place in the group
+    # (parallel.py), and it keys the MAC of the KV tiers' blocks (kv_offload/). Never shown.
+    cluster_token: str | None = field(default=None, repr=False)
+    # Ranks on several hosts (nnodes > 1) with no cluster token: admitted unauthenticated.
+    insecure_no_cluster_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative is None:
@@ -229,6 +235,11 @@ class EngineConfig:
         if address is not None and (":" not in address
                                     or not address.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"distributed_init_address must be host:port, got {address!r}")
+        if nodes > 1 and not self.cluster_token and not self.insecure_no_cluster_auth:
+            raise ValueError("tensor parallelism over several hosts (nnodes > 1) needs the "
+                             "cluster token, which every rank proves before it joins: set "
+                             "--cluster-token-file (or BATON_CLUSTER_TOKEN) on every node, "
+                             "or start it open anyway with --insecure-no-cluster-auth")
         if self.kv_offload_enabled and self.nnodes > 1:
             raise ValueError("the KV offload tiers copy every tensor-parallel rank's cache "
                              "from rank 0's process: they need every rank on one host")

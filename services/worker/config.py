@@ -3,7 +3,7 @@ here and in EngineConfig only). Torch-free."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..engine.config import EngineConfig
 from ..rpc.config import ServiceConfig
@@ -27,6 +27,14 @@ class WorkerConfig:
     insecure_no_cluster_auth: bool = False
 
     def __post_init__(self) -> None:
+        # The engine's copy of the cluster secret and of the opt-out (tensor parallelism
+        # across hosts, the KV tiers' MAC): one setting, read where the service reads it.
+        engine = replace(self.engine,
+                         cluster_token=self.service.cluster_secret() or self.engine.cluster_token,
+                         insecure_no_cluster_auth=self.insecure_no_cluster_auth
+                         or self.engine.insecure_no_cluster_auth)
+        if engine != self.engine:
+            object.__setattr__(self, "engine", engine)
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
         if self.engine_stall_timeout <= 0:

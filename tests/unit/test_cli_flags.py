@@ -82,9 +82,11 @@ def test_up_hands_the_workers_every_engine_flag():
     assert "--kv-lease-timeout" in argv_for(args, flags, "prefill")
     assert "--kv-lease-timeout" not in argv_for(args, flags, "decode")
     # Every engine field has its flag (the speculative config: one flag per its field).
-    # kv_role is set by --kv-transfer-config's JSON alone (vLLM has no flag for it).
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative",
-                                                                          "kv_role"}
+    # kv_role is set by --kv-transfer-config's JSON alone (vLLM has no flag for it); the
+    # cluster token and its opt-out are the service's and the worker's, which WorkerConfig
+    # copies into the engine's config (checked below).
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {
+        "speculative", "kv_role", "cluster_token", "insecure_no_cluster_auth"}
     engine_fields |= {f"spec.{f.name}" for f in dataclasses.fields(SpecConfig)}
     covered = {field if c == "engine" else f"spec.{field}" for f in FLAGS
                for c, field in f.fills if c in ("engine", "spec")}
