@@ -94,8 +94,9 @@ FLAGS: list[Flag] = [
        "this host's place among --nnodes: 0 serves the API, any other runs only its "
        "ranks", kind=int),
     _f("distributed-init-address", WORKERS, "engine.distributed_init_address",
-       "host:port of node 0 where a worker's ranks meet (default: MASTER_ADDR and "
-       "MASTER_PORT, or a free local port on one host)", optional=True),
+       "host:port of node 0 where a worker's ranks on several hosts meet (node 0 "
+       "listens on that address only; default: MASTER_ADDR and MASTER_PORT). On one host "
+       "the ranks meet in a private folder instead", optional=True),
     _f("block-size", WORKERS, "engine.block_size", "tokens per KV block", kind=int),
     _f("kv-cache-gib", WORKERS, "engine.kv_cache_gib", "CPU: KV cache size in GiB",
        kind=float),

@@ -235,11 +235,6 @@ class EngineConfig:
         if address is not None and (":" not in address
                                     or not address.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"distributed_init_address must be host:port, got {address!r}")
-        if nodes > 1 and not self.cluster_token and not self.insecure_no_cluster_auth:
-            raise ValueError("tensor parallelism over several hosts (nnodes > 1) needs the "
-                             "cluster token, which every rank proves before it joins: set "
-                             "--cluster-token-file (or BATON_CLUSTER_TOKEN) on every node, "
-                             "or start it open anyway with --insecure-no-cluster-auth")
         if self.kv_offload_enabled and self.nnodes > 1:
             raise ValueError("the KV offload tiers copy every tensor-parallel rank's cache "
                              "from rank 0's process: they need every rank on one host")

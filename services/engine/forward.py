@@ -11,7 +11,9 @@ import torch
 
 from baton.kernels.metadata import AttentionMetadata, count_shared_blocks
 
+from ..lora.adapter import PROJECTIONS, LoRAAdapter
 from .sampler import to_device
+from .tp_wire import WireError, ints, ints_or_none
 
 
 @dataclass
@@ -30,6 +32,35 @@ class Forward:
     logits: bool = True  # whether any row samples
     lora_tokens: list[int] | None = None  # each token's LoRA slot (-1: none)
     lora_writes: list = field(default_factory=list)  # (slot, adapter) that rank 0 wrote
+
+    def to_wire(self) -> dict:
+        """As tp_wire carries it: plain values, each LoRA write's weights as tensors."""
+        out = {f: getattr(self, f) for f in WIRE_FIELDS}
+        out["lora_writes"] = [[slot, adapter.name, [[*key, a, b] for key, (a, b) in
+                                                   adapter.weights.items()]]
+                              for slot, adapter in self.lora_writes]
+        return out
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Forward:
+        """The step `to_wire` gave, every field's type checked (WireError naming it)."""
+        if set(d) != set(WIRE_FIELDS) | {"lora_writes"}:
+            raise WireError("tensor-parallel step: fields "
+                            f"{sorted(set(d) ^ (set(WIRE_FIELDS) | {'lora_writes'}))[:8]}")
+        tables = d["tables"]
+        if not isinstance(tables, list) or not tables:
+            raise WireError("tensor-parallel step: tables must be a non-empty list")
+        for name in ("num_decodes", "max_query_len"):
+            if type(d[name]) is not int:
+                raise WireError(f"tensor-parallel step: {name} must be an integer")
+        if type(d["logits"]) is not bool:
+            raise WireError("tensor-parallel step: logits must be true or false")
+        return cls(ints(d["ids"], "ids"), ints(d["positions"], "positions"),
+                   ints(d["qsl"], "qsl"), ints(d["seq_lens"], "seq_lens"),
+                   [ints(t, "tables") for t in tables], d["num_decodes"],
+                   d["max_query_len"], ints_or_none(d["rows"], "rows"), d["logits"],
+                   ints_or_none(d["lora_tokens"], "lora_tokens"),
+                   [_lora_write(w) for w in _list(d["lora_writes"], "lora_writes")])
 
     def tensors(self, block_size: int, pin: bool = False) -> HostTensors:
         bs = block_size
@@ -64,6 +95,33 @@ class Forward:
             num_shared_blocks=count_shared_blocks(t.table, self.seq_lens[:nd], block_size),
             num_shared_prefill_blocks=shared_prefill_blocks(self, t.table, block_size),
         )
+
+
+WIRE_FIELDS = ("ids", "positions", "qsl", "seq_lens", "tables", "num_decodes",
+               "max_query_len", "rows", "logits", "lora_tokens")
+
+
+def _list(x, name: str) -> list:
+    if not isinstance(x, list):
+        raise WireError(f"tensor-parallel step: {name} must be a list")
+    return x
+
+
+def _lora_write(w) -> tuple[int, LoRAAdapter]:
+    """[slot, name, [[layer, projection, part, A, B], ...]] -> (slot, the adapter)."""
+    if not (isinstance(w, list) and len(w) == 3 and type(w[0]) is int
+            and isinstance(w[1], str)):
+        raise WireError("tensor-parallel step: a LoRA write must be [slot, name, weights]")
+    weights = {}
+    for entry in _list(w[2], "LoRA weights"):
+        if not (isinstance(entry, list) and len(entry) == 5 and type(entry[0]) is int
+                and entry[1] in PROJECTIONS and type(entry[2]) is int
+                and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in entry[3:])):
+            raise WireError("tensor-parallel step: a LoRA weight must be [layer, "
+                            "projection, part, A, B]")
+        weights[entry[0], entry[1], entry[2]] = (entry[3], entry[4])
+    rank = max((a.shape[0] for a, _ in weights.values()), default=0)
+    return w[0], LoRAAdapter(w[1], "", rank, weights)
 
 
 class HostTensors(NamedTuple):

@@ -100,7 +100,7 @@ class ModelRunner:
         if self.tp is None:
             return [stored_bytes(self.model)]
         if self.tp.rank == 0:
-            self.tp.send(("weights",))
+            self.tp.send("weights")
         return self.tp.gather_ints(stored_bytes(self.model))
 
     def profile_num_blocks(self) -> int:
@@ -110,7 +110,7 @@ class ModelRunner:
             return int(self.config.kv_cache_gib * (1 << 30)) // per_block
         if self.tp is not None:  # every rank profiles its own device; the least wins
             if self.tp.rank == 0:
-                self.tp.send(("profile",))
+                self.tp.send("profile")
             return self.tp.min(self._profile_cuda(per_block))
         return self._profile_cuda(per_block)
 
@@ -162,7 +162,7 @@ class ModelRunner:
         a shared-memory file of that name (+ its rank), and rank 0 maps all of them, so
         the KV transfer reads and writes every rank's heads from rank 0's process."""
         if self.tp is not None and self.tp.rank == 0:
-            self.tp.send(("allocate", num_blocks, shared))
+            self.tp.send("allocate", num_blocks, shared)
         # One tensor per layer, block-major: [block, K|V, kv head, offset in block, head
         # dim] (kernels/kv_layout.py).
         shape = kv_layout.shape(num_blocks, self.mc.num_kv_heads, self.block_size,
@@ -206,7 +206,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         if self.tp is not None and self.tp.rank == 0:  # every rank captures its own
-            self.tp.send(("capture", max_num_seqs, max_model_len))
+            self.tp.send("capture", max_num_seqs, max_model_len)
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_blocks,
                                       self.device)
@@ -297,7 +297,7 @@ class ModelRunner:
         """Rank 0: the step on every rank (sent to the others first); its logits for the
         rows that sample, or None where none does."""
         if self.tp is not None:
-            self.tp.send(("forward", step))
+            self.tp.send("forward", step.to_wire())
         return self.forward(step)
 
     @torch.inference_mode()

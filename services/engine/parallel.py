@@ -1,10 +1,12 @@
 """The tensor-parallel group: torch.distributed's own process group (gloo on CPU, NCCL on
-GPU) over a TCPStore, made as an object rather than torch's process-wide default group,
-so one process may hold several engines (tests, offline runs) and each its own group.
+GPU), met and proven at a rendezvous (tp_join.py), made as an object rather than torch's
+process-wide default group, so one process may hold several engines (tests, offline runs)
+and each its own group.
 
-Rank 0 is the engine: it schedules, samples and sends every step's inputs
-(`send`); the other ranks (services/engine/tp_ranks.py, `follow`) receive them (`recv`) and run
-the same forward pass on their slice of the heads and the MLP. Inside the model the ranks
+Rank 0 is the engine: it schedules, samples and sends every step's inputs (`send`, as
+tp_wire.py's bytes: parsed, never unpickled); the other ranks (services/engine/
+tp_ranks.py, `follow`) receive them (`recv`) and run the same forward pass on their slice
+of the heads and the MLP. Inside the model the ranks
 meet in `all_reduce` (after each row-parallel projection and the vocab-parallel
 embedding) and `gather_vocab` (the LM head's logits, on rank 0).
 
@@ -15,17 +17,17 @@ time limit that matters (`timeout`: days).
 
 from __future__ import annotations
 
-import datetime
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-# torch's stubs lack the backends' collectives and export no TCPStore: used untyped.
-_c10d: Any = dist
-IDLE_TIMEOUT = datetime.timedelta(days=30)  # a follower waits this long for a step
+from .tp_join import Rendezvous, join
+from .tp_wire import WireError, decode, encode
+
+# The largest message a rank takes (a step, or a LoRA adapter's weights with one).
+MAX_MESSAGE_BYTES = 4 << 30
 
 
 class RankDied(RuntimeError):
@@ -33,20 +35,17 @@ class RankDied(RuntimeError):
 
 
 class TPGroup:
-    def __init__(self, address: str, rank: int, size: int, device: torch.device,
-                 connect_timeout_s: float = 300.0):
-        host, port = address.rsplit(":", 1)
-        self.rank, self.size, self.device = rank, size, device
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device,
+                 alive: Callable[[], None] = lambda: None):
+        """Joins the group (tp_join.join: JoinError naming a rank that failed); `alive`
+        raises while joining where a rank this process started is gone."""
+        self.rank, self.size, self.device = rank, rendezvous.size, device
         self.dead: str | None = None  # set where a rank is known gone: nothing more runs
         self._on_death: list[Callable[[str], None]] = []
-        # Rank 0 hosts the store; the others connect (and retry until it is up).
-        self.store = _c10d.TCPStore(host, int(port), size, rank == 0,
-                                   timeout=datetime.timedelta(seconds=connect_timeout_s))
-        if device.type == "cuda":
-            self.pg = _c10d.ProcessGroupNCCL(self.store, rank, size,
-                                             _c10d.ProcessGroupNCCL.Options())
-        else:
-            self.pg = _c10d.ProcessGroupGloo(self.store, rank, size, IDLE_TIMEOUT)
+        # Why a rank is gone, where this process can tell (tp_ranks: a spawned rank's own
+        # error), better than the collective's "connection closed"; None where it cannot.
+        self.explain: Callable[[], str | None] = lambda: None
+        self.store, self.pg = join(rendezvous, rank, device, alive)
 
     def on_death(self, fn: Callable[[str], None]) -> None:
         """Call `fn(why)` once a rank is known gone (now, if it is already)."""
@@ -65,8 +64,9 @@ class TPGroup:
         try:
             work.wait()
         except RuntimeError as e:
-            self.died(f"a tensor-parallel rank is gone: {e}")
-            raise RankDied(f"a tensor-parallel rank is gone: {e}") from e
+            why = self.dead or self.explain() or f"a tensor-parallel rank is gone: {e}"
+            self.died(why)
+            raise RankDied(why) from e
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (x must be contiguous)."""
@@ -80,21 +80,26 @@ class TPGroup:
         self._wait(self.pg.allgather([parts], [logits.contiguous()]))
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
-    def send(self, obj) -> None:
-        """Rank 0: one object to every other rank (pickled; its tensors travel inside)."""
+    def send(self, kind: str, *args) -> None:
+        """Rank 0: one message to every other rank (tp_wire.KINDS names them)."""
         if self.dead is not None:
             raise RankDied(self.dead)
-        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode(kind, *args)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
         self._broadcast(size)
         self._broadcast(data)
 
-    def recv(self):
+    def recv(self) -> tuple[str, list]:
+        """The next message from rank 0, parsed: (kind, args); WireError for bytes
+        that are not one."""
         size = torch.zeros(1, dtype=torch.long)
         self._broadcast(size)
+        if not 0 < int(size) <= MAX_MESSAGE_BYTES:
+            raise WireError(f"a tensor-parallel message of {int(size)} bytes: "
+                                    f"refused (at most {MAX_MESSAGE_BYTES})")
         data = torch.empty(int(size), dtype=torch.uint8)
         self._broadcast(data)
-        return pickle.loads(data.numpy().tobytes())
+        return decode(data.numpy().data)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         # Objects travel over the host even where the model runs on a GPU.

@@ -32,6 +32,7 @@ from .paths import Unreadable, beneath
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
            "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
            "down_proj": ("down", 0)}
+PROJECTIONS = frozenset(proj for proj, _ in TARGETS.values())
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
 

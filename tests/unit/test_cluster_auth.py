@@ -141,13 +141,15 @@ async def _answer(channel: grpc.aio.Channel, method: str, streaming: bool, reque
 
 def test_ranks_over_several_hosts_need_the_cluster_token_which_reaches_the_engine():
     from baton.services.engine.config import EngineConfig
+    from baton.services.engine.tp_ranks import rendezvous
 
-    over_two = {"tensor_parallel_size": 2, "nnodes": 2}
+    over_two = {"tensor_parallel_size": 2, "nnodes": 2,
+                "distributed_init_address": "127.0.0.1:1"}
     with pytest.raises(ValueError, match="insecure-no-cluster-auth"):
-        EngineConfig(**over_two)
+        rendezvous(EngineConfig(**over_two))
     # The worker's token and opt-out are the engine's too (the CLI fills only the worker's).
     worker = WorkerConfig(service=ServiceConfig("127.0.0.1:1", cluster_token=TOKEN))
     assert worker.engine.cluster_token == TOKEN and TOKEN not in repr(worker.engine)
     assert WorkerConfig(insecure_no_cluster_auth=True).engine.insecure_no_cluster_auth
-    EngineConfig(**over_two, cluster_token=TOKEN)
-    EngineConfig(**over_two, insecure_no_cluster_auth=True)
+    assert rendezvous(EngineConfig(**over_two, cluster_token=TOKEN)).secret
+    assert not rendezvous(EngineConfig(**over_two, insecure_no_cluster_auth=True)).secret
