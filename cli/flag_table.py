@@ -144,9 +144,11 @@ FLAGS: list[Flag] = [
        kind=float),
     _f("kv-offload-host-path", WORKERS, "engine.kv_offload_host_path",
        "where the host tier lives: shared memory (default: a folder in /dev/shm; "
-       "containers share it through a tmpfs volume)", optional=True),
+       "containers share it through a tmpfs volume); the user's own, mode 0700",
+       optional=True),
     _f("kv-offload-disk-path", WORKERS, "engine.kv_offload_disk_path",
-       "a disk KV tier in this folder (kept across restarts)", optional=True),
+       "a disk KV tier in this folder (kept across restarts); the user's own, mode 0700",
+       optional=True),
     _f("kv-offload-disk-gib", WORKERS, "engine.kv_offload_disk_gib",
        "the disk tier's size in GiB", kind=float),
     _f("speculative-method", WORKERS, "spec.method",

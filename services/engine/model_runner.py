@@ -168,13 +168,17 @@ class ModelRunner:
         shape = kv_layout.shape(num_blocks, self.mc.num_kv_heads, self.block_size,
                                 self.mc.head_dim)
         if shared is not None and self.tp is not None:
-            self.kv_caches = create_shared(shared, self.tp.rank, shape, self.kv_dtype,
-                                             self.mc.num_layers)
-            self.tp.barrier()  # every rank's file exists
-            if self.tp.rank == 0:
-                self._rank_caches = map_shared(shared, self.shard, num_blocks,
-                                                     self.block_size, self.kv_dtype)
-            self.tp.barrier()  # rank 0 holds every mapping: the names can go
+            try:
+                self.kv_caches = create_shared(shared, self.tp.rank, shape, self.kv_dtype,
+                                               self.mc.num_layers)
+                self.tp.barrier()  # every rank's file exists
+                if self.tp.rank == 0:
+                    self._rank_caches = map_shared(shared, self.shard, num_blocks,
+                                                   self.block_size, self.kv_dtype)
+                self.tp.barrier()  # rank 0 holds every mapping: the names can go
+            except BaseException:  # the files hold their whole size: none left behind
+                unlink_shared(shared, self.tp.size)
+                raise
             if self.tp.rank == 0:
                 unlink_shared(shared, self.tp.size)
         else:

@@ -88,8 +88,9 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     loras: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
     # The offload tiers' counters (kv_connector/offload.py): "<medium>_hits" (blocks
-    # loaded), "_load_bytes", "_saves", "_save_bytes", "_evictions"; "load_misses",
-    # "save_dropped". Empty without tiers.
+    # loaded), "_load_bytes", "_saves", "_save_bytes", "_evictions", and the files
+    # rejected, "_corrupt", "_forged", "_foreign"; "load_misses", "save_dropped". Empty
+    # without tiers.
     kv_offload: tuple[tuple[str, int], ...] = ()
 
     @property

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..common.kv_events import TIERS
+from ..engine.kv_offload.store import REJECTED
 from ..rpc.config import ServiceConfig
 from ..rpc.metrics import LATENCY_BUCKETS, TRANSFER_BUCKETS, serve_metrics
 from .vllm_metrics import VllmMetrics
@@ -68,6 +69,14 @@ def tier_families(model: str, counts: dict[str, int]):
         for medium in media:
             family.add_metric([model, medium], counts.get(f"{medium}_{what}", 0))
         yield family
+    family = CounterMetricFamily(
+        "baton:kv_offload_rejected", "Block files of an offload tier that were a miss for "
+        "what they held: corrupt, forged (MAC), foreign (not this user's regular file)",
+        labels=["model_name", "medium", "reason"])
+    for medium in media:
+        for why in REJECTED:
+            family.add_metric([model, medium, why], counts.get(f"{medium}_{why}", 0))
+    yield family
 
 
 class WorkerMetrics:

@@ -145,7 +145,8 @@ def test_a_corrupted_disk_block_is_recomputed(make_llm, tiny_model, reference, t
     assert [o.token_ids for o in out] == reference[:1]
     stats = _settle(second)
     assert stats["disk_hits"] == 3  # the blocks before the corrupt one
-    assert _offload(second).tiers[0].stats.corrupt == 1
+    # A flipped payload byte fails the MAC: counted as forged (damage looks the same).
+    assert _offload(second).tiers[0].stats.forged == stats["disk_forged"] == 1
     assert second.engine.scheduler.loads.num_blocks_recomputed == 5
 
 

@@ -34,15 +34,16 @@ def writer(root: str, budget: int, start: int, go, results) -> None:
     for n in range(start, start + 400):
         stored += store.put(key(n % KEYS), payload(n % KEYS))
         i = (n * 7) % KEYS
-        got = store.get(key(i))
+        got = store.get(key(i), SIZE)
         wrong += got is not None and got != payload(i)
     results.put((start, stored, wrong, store.stats.hits, store.stats.evictions,
                  (began, time.monotonic())))
 
 
 def files_and_count(root: str) -> tuple[int, int]:
-    """Under the store's lock: the bytes of every file under the root but the lock (temp
-    files included), and the shared count the lock file holds (docstring of store.py)."""
+    """Under the store's lock: the bytes of every file under the root but the lock and the
+    key file (temp files included: nothing else is there), and the shared count the lock
+    file holds (docstring of store.py)."""
     fd = os.open(os.path.join(root, ".lock"), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -50,7 +51,7 @@ def files_and_count(root: str) -> tuple[int, int]:
         total = 0
         for folder, _, names in os.walk(root):
             for name in names:
-                if name != ".lock":
+                if name not in (".lock", ".key"):
                     try:
                         total += os.lstat(os.path.join(folder, name)).st_size
                     except FileNotFoundError:  # only a file removed outside the lock
@@ -93,7 +94,7 @@ def test_two_processes_share_one_root_under_its_budget(tmp_path):
     held = store.keys()
     assert 0 < len(held) <= 40
     for k in held:
-        assert store.get(k) == payload(int(k.split("/")[1], 16))
+        assert store.get(k, SIZE) == payload(int(k.split("/")[1], 16))
     assert store.stats.hits == len(held)
     store.check()
     assert files_and_count(root) == (store.used_bytes(),) * 2

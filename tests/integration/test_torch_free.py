@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 TORCH_FREE = [
     "test_before_admission", "test_cli_flags", "test_constraint_limits", "test_deploy",
-    "test_deploy_compose", "test_docs", "test_json_stream", "test_kv_store", "test_layering",
+    "test_deploy_compose", "test_docs", "test_json_stream", "test_kv_store",
+    "test_kv_tier_files", "test_layering",
     "test_limits", "test_lock", "test_openai_errors", "test_openai_protocol", "test_packaging",
     "test_proto_comments", "test_reasoning_parsers", "test_render",
     "test_sampling_fields_api", "test_sampling_params", "test_tool_parsers",

@@ -1,7 +1,8 @@
 """The KV offload tiers' block store (services/engine/kv_offload/store.py): round trip, a
 damaged file is a counted miss and removed, LRU under the budget, a restart sees the old
 blocks, keys that could leave the root refused, crashed writers' temp files cleaned.
-Two processes sharing one root: tests/integration/test_kv_store_processes.py."""
+Two processes sharing one root: tests/integration/test_kv_store_processes.py; what another
+local user could do to a tier: test_kv_tier_files.py."""
 
 from __future__ import annotations
 
@@ -49,14 +50,14 @@ def test_round_trip_and_the_counts(tmp_path):
     assert store.put(key(4), memoryview(payload(4, 64)).cast("Q"))  # a typed view: its bytes
     for i, size in enumerate(sizes):
         assert store.contains(key(i))
-        assert store.get(key(i)) == payload(i, size)
-    assert store.get(key(99)) is None and not store.contains(key(99))
+        assert store.get(key(i), size) == payload(i, size)
+    assert store.get(key(99), 64) is None and not store.contains(key(99))
     assert sorted(store.keys()) == sorted(key(i) for i in range(5))
     s = store.stats
-    assert (s.hits, s.misses, s.saves, s.corrupt) == (5, 1, 5, 0)
+    assert (s.hits, s.misses, s.saves, s.corrupt, s.forged, s.foreign) == (5, 1, 5, 0, 0, 0)
     assert s.save_bytes == s.load_bytes == sum(sizes)
     assert store.used_bytes() == sum(store.path(key(i)).stat().st_size for i in range(5))
-    assert store.path(key(2)) == tmp_path / NS / "00" / f"{2:032x}.kv"
+    assert store.path(key(2)) == tmp_path / store.key_id / NS / "00" / f"{2:032x}.kv"
     store.check()
 
 
@@ -83,12 +84,16 @@ def _swap(path):
     other.write_bytes(a)
 
 
-HEADER_BYTES = 16 + len(key(0)) + 4
+MAC_AT = 16 + len(key(0))  # magic, version, lengths, key: then the MAC's 32 bytes
 
 
-@pytest.mark.parametrize("damage", [_damage_payload, _truncate, _grow, _swap]
-                         + [pytest.param(n, id=f"header-byte-{n}") for n in range(HEADER_BYTES)])
-def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path, damage):
+@pytest.mark.parametrize("damage,why", [
+    (_damage_payload, "forged"), (_truncate, "corrupt"), (_grow, "corrupt"),
+    (_swap, "corrupt")] + [pytest.param(n, "forged" if n >= MAC_AT else "corrupt",
+                                        id=f"header-byte-{n}") for n in range(MAC_AT + 32)])
+def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path, damage, why):
+    """Damage to the header is found before the payload is read (corrupt); to the MAC or
+    the payload, by the MAC (forged: the reader cannot tell damage from forgery)."""
     store = BlockStore(tmp_path, 1 << 20, "disk")
     for i in range(3):
         store.put(key(i), payload(i))
@@ -101,16 +106,17 @@ def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path, damage):
     else:
         damage(path)
     assert store.contains(key(0))
-    assert store.get(key(0)) is None
+    assert store.get(key(0), 4096) is None
     assert not path.exists() and not store.contains(key(0))
-    assert (store.stats.corrupt, store.stats.misses, store.stats.hits) == (1, 1, 0)
+    assert (getattr(store.stats, why), store.stats.misses, store.stats.hits) == (1, 1, 0)
+    assert store.stats.corrupt + store.stats.forged + store.stats.foreign == 1
     assert store.evicted() == [key(0)]  # gone from the tier: a "removed" event
     assert store.used_bytes() == before - (before // 3)
     if damage is _swap:  # block 1's file holds block 0's block now: a miss too
-        assert store.get(key(1)) is None and store.stats.corrupt == 2
+        assert store.get(key(1), 4096) is None and store.stats.corrupt == 2
         assert store.used_bytes() == before // 3
-    assert store.get(key(2)) == payload(2)
-    assert store.put(key(0), payload(0)) and store.get(key(0)) == payload(0)  # recomputed
+    assert store.get(key(2), 4096) == payload(2)
+    assert store.put(key(0), payload(0)) and store.get(key(0), 4096) == payload(0)  # recomputed
     store.check()
 
 
@@ -121,7 +127,7 @@ def test_least_recently_used_goes_first_and_a_get_or_put_refreshes(tmp_path):
     for i in range(4):
         assert store.put(key(i), payload(i))
     age(store, [key(i) for i in range(4)])  # 0 oldest
-    assert store.get(key(0)) == payload(0)  # 1 is now the oldest
+    assert store.get(key(0), 4096) == payload(0)  # 1 is now the oldest
     assert store.put(key(2), payload(2)) is True  # already there: refreshed, not stored
     assert store.stats.saves == 4
     assert store.put(key(4), payload(4))
@@ -144,7 +150,7 @@ def test_a_block_read_elsewhere_after_the_scan_is_not_evicted(tmp_path):
     age(store, [key(i) for i in range(4)])
     assert store.put(key(4), payload(4)) and store.evicted() == [key(0)]  # scanned here
     other = BlockStore(tmp_path / "lru", 4 * one, "host")
-    assert other.get(key(1)) == payload(1)
+    assert other.get(key(1), 4096) == payload(1)
     assert store.put(key(5), payload(5))
     assert store.evicted() == [key(2)]
     assert sorted(store.keys()) == [key(i) for i in (1, 3, 4, 5)]
@@ -158,7 +164,8 @@ def test_the_budget_holds_and_a_block_over_it_is_refused(tmp_path):
     store = BlockStore(tmp_path / "store", budget, "host")
     for i in range(50):
         assert store.put(key(i), payload(i))
-        on_disk = sum(f.stat().st_size for f in (tmp_path / "store" / NS).rglob("*.kv"))
+        blocks = (tmp_path / "store" / store.key_id / NS).rglob("*.kv")
+        on_disk = sum(f.stat().st_size for f in blocks)
         assert on_disk == store.used_bytes() <= budget
     assert len(store.keys()) == 10 and store.stats.evictions == 40
     assert store.put(key(99), payload(99, budget)) is False
@@ -188,7 +195,8 @@ def test_a_new_store_on_the_root_sees_the_blocks_already_there(tmp_path):
     first.close()
     again = BlockStore(tmp_path, 1 << 20, "disk")
     assert sorted(again.keys()) == [key(i) for i in range(5)]
-    assert all(again.contains(key(i)) and again.get(key(i)) == payload(i) for i in range(5))
+    assert all(again.contains(key(i)) and again.get(key(i), 4096) == payload(i)
+               for i in range(5))
     assert again.used_bytes() == used and again.stats.hits == 5
     again.check()
 
@@ -213,7 +221,7 @@ def test_a_file_removed_between_contains_and_get_is_a_plain_miss(tmp_path):
     other = BlockStore(tmp_path, store.path(key(0)).stat().st_size, "host")
     assert other.put(key(1), payload(1))
     assert not store.path(key(0)).exists()
-    assert store.get(key(0)) is None
+    assert store.get(key(0), 4096) is None
     assert (store.stats.misses, store.stats.corrupt) == (1, 0)
     store.check()
 
@@ -225,10 +233,10 @@ def test_a_key_that_could_leave_the_root_is_refused(tmp_path, bad):
     store = BlockStore(tmp_path, 1 << 20, "host")
     with pytest.raises(ValueError, match="bad KV store key"):
         split_key(bad)
-    for call in (store.contains, store.get, lambda k: store.put(k, b"x")):
+    for call in (store.contains, lambda k: store.get(k, 1), lambda k: store.put(k, b"x")):
         with pytest.raises(ValueError, match="bad KV store key"):
             call(bad)
-    assert list(tmp_path.iterdir()) == [tmp_path / ".lock"]
+    assert sorted(tmp_path.iterdir()) == [tmp_path / ".key", tmp_path / ".lock"]
 
 
 def test_a_crashed_writers_temp_file_is_named_then_cleaned_once_old(tmp_path):
@@ -244,7 +252,7 @@ def test_a_crashed_writers_temp_file_is_named_then_cleaned_once_old(tmp_path):
     os.utime(tmp, (old, old))
     again = BlockStore(tmp_path, 1 << 20, "disk")
     assert not tmp.exists()
-    assert again.get(key(0)) == payload(0)
+    assert again.get(key(0), 4096) == payload(0)
     again.check()
 
 
@@ -253,14 +261,14 @@ def test_check_names_each_problem(tmp_path):
     for i in range(3):
         store.put(key(i), payload(i))
     store.check()
-    (tmp_path / NS / "zz").mkdir()
-    (tmp_path / NS / "zz" / "notes.txt").write_text("x")
+    (tmp_path / store.key_id / NS / "zz").mkdir()
+    (tmp_path / store.key_id / NS / "zz" / "notes.txt").write_text("x")
     bad = store.path(key(0))
     bad.write_bytes(bad.read_bytes()[:-1])
     store.budget_bytes = 10
     with pytest.raises(AssertionError) as e:
         store.check()
-    for words in ("stray file: ", "notes.txt", f"{0:032x}.kv does not parse", "over budget",
+    for words in ("stray file: ", "notes.txt", f"{0:032x}.kv is corrupt", "over budget",
                   "the shared count says"):
         assert words in str(e.value)
 
@@ -285,7 +293,7 @@ def test_threads_putting_and_getting_keep_the_budget(tmp_path, monkeypatch):
     def work(start):
         for i in range(start, start + 200):
             assert store.put(key(i % 120), payload(i % 120, 1024))
-            got = store.get(key((i * 7) % 120))
+            got = store.get(key((i * 7) % 120), 1024)
             if got is not None and got != payload((i * 7) % 120, 1024):
                 wrong.append(i)
 

@@ -1,6 +1,7 @@
 """KV events per medium (a worker's block pool and its offload tiers) and what the router
 makes of them: a prompt finds its pool run, then the tier blocks that continue it, and
-the policy weighs a pool hit above a host hit above a disk hit above a miss."""
+the policy weighs a pool hit above a host hit above a disk hit above a miss; a tier's
+rejected blocks reach the worker's metrics."""
 
 from __future__ import annotations
 
@@ -281,3 +282,33 @@ def test_a_snapshot_tells_a_bounded_part_of_a_large_tier(monkeypatch):
     log.stored(_h(50), DISK)
     index.apply(_reply(log, index.seq))
     assert set(index._tiers) == set(snap.tiers[DISK].stored[1:]) | {_h(50)}
+
+
+def test_rejected_tier_blocks_reach_the_connectors_stats_and_the_metrics(tmp_path):
+    """A block forged in the host tier (its MAC made with another key) is a miss, counted
+    as `host_forged` by the connector and as baton:kv_offload_rejected_total."""
+    import torch
+    from prometheus_client import generate_latest
+
+    from baton.services.engine.kv_connector.offload import OffloadConnector
+    from baton.services.engine.kv_offload import block_file
+    from baton.services.engine.kv_offload.store import BlockStore
+    from baton.services.engine.outputs import EngineStats
+    from baton.services.worker.metrics import WorkerMetrics
+
+    caches = [torch.zeros(4, 2, 1, 4, 8) for _ in range(2)]
+    conn = OffloadConnector([BlockStore(tmp_path, 1 << 20, "host")], [caches], "f", 4)
+    key = conn._keys(bytes(16))[0]
+    data = bytes(conn.payload_bytes[0])
+    path = conn.tiers[0].path(key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(block_file.header(bytes(32), key.encode(), memoryview(data)) + data)
+    assert not conn._load_block(bytes(16), 1)
+    stats = conn.stats()
+    conn.close()
+    assert (stats["host_forged"], stats["load_misses"]) == (1, 1)
+    metrics = WorkerMetrics(lambda: EngineStats(kv_offload=tuple(sorted(stats.items()))),
+                            "m", 1)
+    text = generate_latest(metrics.registry).decode()
+    assert 'baton:kv_offload_rejected_total{medium="host",model_name="m",reason="forged"} ' \
+           '1.0' in text

@@ -51,7 +51,8 @@ FORBIDDEN_THIRD_PARTY = {"router": {"torch"}, "services/common": {"torch", "grpc
                          "services/rpc": {"torch"}, "kv_transfer/base.py": {"torch"},
                          "kv_transfer/head_map.py": {"torch"},
                          "kernels/kv_layout.py": {"torch"},
-                         "services/engine/kv_offload/store.py": {"torch"},
+                         "services/engine/kv_offload": {"torch"},
+                         "services/engine/private_files.py": {"torch"},
                          "baton_client": {"torch", "transformers", "numpy"}}
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 MAX_LINES = 400

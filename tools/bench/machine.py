@@ -16,8 +16,9 @@ MATMUL_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_vnni"
                 "avx2")
 
 
-def cpu_line() -> str:
-    """The CPU's model name, its logical CPUs and its matmul flags."""
+def cpu_line(wanted: tuple[str, ...] = MATMUL_FLAGS) -> str:
+    """The CPU's model name, its logical CPUs and which of the `wanted` flags it has
+    (default: the matmul flags)."""
     name, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -30,7 +31,7 @@ def cpu_line() -> str:
                     break
     except OSError:
         pass
-    has = [f for f in MATMUL_FLAGS if f in flags] or ["none of " + " ".join(MATMUL_FLAGS)]
+    has = [f for f in wanted if f in flags] or ["none of " + " ".join(wanted)]
     return f"cpu: {name} ({os.cpu_count()} logical CPUs); flags {' '.join(has)}"
 
 

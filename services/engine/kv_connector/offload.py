@@ -5,7 +5,7 @@ instead of recomputed.
     save (engine thread, after a step)          saver thread
     new full blocks ──gather per rank──> [n, layers, block bytes] ──> host, disk files
     load (loader thread)
-    host (else disk) file per rank ──checksum──> the request's blocks in every layer
+    host (else disk) file per rank ──MAC checked──> the request's blocks in every layer
 
 Keys. A block's bytes are valid for a reader exactly when its hash matches (the chained
 token hash with the namespace, salt and LoRA adapter in it: block_hash.py) and the cache
@@ -22,8 +22,10 @@ The save copies the blocks out on the engine thread (a gather: ~0.4 MB a block f
 default model), because a freed block may be reused by the next step; the files are
 written behind the steps by the saver thread, and dropped (counted) rather than queued
 past `MAX_QUEUED_BYTES`. A load that finds a block missing (evicted by another worker
-since the match) or corrupt stops there: the blocks before it count, the rest is
-recomputed (kv_loads.py).
+since the match) or rejected (corrupt, forged, foreign: kv_offload/store.py) stops
+there: the blocks before it count, the rest is recomputed (kv_loads.py). The tiers' MAC
+key is the cluster token's where there is one (every worker of the cluster shares it),
+else each tier folder's key file.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import hashlib
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -40,7 +41,8 @@ from collections import Counter
 import torch
 
 from ...common.kv_events import KvEventLog
-from ..kv_offload.store import BlockStore
+from ..kv_offload.store import REJECTED, BlockStore
+from ..private_files import shared_memory_dir
 from ..request import Request
 from .base import KVConnector, LoadResult, SavedBlock
 from .context import ConnectorContext
@@ -53,9 +55,9 @@ SWEEP_S = 30.0  # how often the saver re-reads the tiers' contents into the KV e
 
 
 def default_host_path() -> str:
-    """Shared memory every process on the host sees (tmpfs), one folder per user."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"baton-kv-{os.getuid()}")
+    """Shared memory every process on the host sees (tmpfs), one folder per user (made
+    0700 by the first of its workers; one that another user made first is refused)."""
+    return os.path.join(shared_memory_dir(), f"baton-kv-{os.getuid()}")
 
 
 class OffloadConnector(KVConnector):
@@ -91,12 +93,13 @@ class OffloadConnector(KVConnector):
     def from_context(cls, ctx: ConnectorContext) -> OffloadConnector:
         config = ctx.config
         tiers = []
+        secret = config.cluster_token
         if config.kv_offload_gib > 0:
             tiers.append(BlockStore(config.kv_offload_host_path or default_host_path(),
-                                    int(config.kv_offload_gib * GIB), "host"))
+                                    int(config.kv_offload_gib * GIB), "host", secret))
         if config.kv_offload_disk_path:
             tiers.append(BlockStore(config.kv_offload_disk_path,
-                                    int(config.kv_offload_disk_gib * GIB), "disk"))
+                                    int(config.kv_offload_disk_gib * GIB), "disk", secret))
         namespace = hashlib.sha256(f"{ctx.layout.fingerprint}|{ctx.weights}".encode())
         return cls(tiers, ctx.rank_caches, namespace.hexdigest()[:16], config.block_size,
                    ctx.events)
@@ -163,9 +166,8 @@ class OffloadConnector(KVConnector):
     def _load_block(self, block_hash: bytes, block_id: int) -> bool:
         keys = self._keys(block_hash)
         for tier in self.tiers:
-            payloads = [tier.get(k) for k in keys]
-            if any(p is None or len(p) != n
-                   for p, n in zip(payloads, self.payload_bytes, strict=True)):
+            payloads = [tier.get(k, n) for k, n in zip(keys, self.payload_bytes, strict=True)]
+            if any(p is None for p in payloads):
                 continue
             for caches, payload in zip(self.rank_caches, payloads, strict=True):
                 rows = _rows(payload, caches)  # type: ignore[arg-type]
@@ -264,8 +266,14 @@ class OffloadConnector(KVConnector):
                         self._results[item[0]] = LoadResult(0, "the tier load failed")
 
     def stats(self) -> dict[str, int]:
+        """The counts, and each tier's rejected files by why ("<medium>_forged", ...)."""
         with self._lock:
-            return dict(self.counts)
+            out = dict(self.counts)
+        for tier in self.tiers:
+            for why in REJECTED:
+                if n := getattr(tier.stats, why):
+                    out[f"{tier.medium}_{why}"] = n
+        return out
 
     def close(self) -> None:
         for q in (self._loads, self._saves):
