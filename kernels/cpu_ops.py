@@ -17,6 +17,13 @@ named by the sources and flags (build_directory); `make install` builds the nati
 and a build made once is loaded without a compiler. Where a build fails (no compiler),
 `ops()` returns None, says why once, and torch's ops serve.
 
+A library is native code run at start, so it is loaded only from where no one else could
+have put it: the build folder and every folder above it owned by this user or root and
+writable by no one else (check_folders), and only the bytes its build recorded (the
+marker holds their sha256), read through one descriptor that is then loaded itself
+(open_library). A folder or library that fails a check is not loaded: torch's ops serve,
+as where a build fails, and the warning names the path and why.
+
 A kernel serves only on the ISAs where it measured faster than the torch ops it replaces
 (FASTER, from `python -m baton.tools.bench.kernels`). BATON_CPU_ISA=<name> picks another
 ISA the CPU has (tests run every one); BATON_CPU_KERNELS=0 turns them all off.
@@ -25,9 +32,11 @@ ISA the CPU has (tests run every one); BATON_CPU_KERNELS=0 turns them all off.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +155,115 @@ def build_directory(name: str) -> Path:
     return Path(root) / f"baton_cpu_{name}-{h.hexdigest()[:16]}"
 
 
+class Untrusted(Exception):
+    """A build folder or library that someone other than this user or root could have
+    written: never loaded."""
+
+
+def _owned(st: os.stat_result, path: object, sticky: bool = False) -> None:
+    """Untrusted unless owned by this user or root and writable by no one else (or, where
+    `sticky` may be, writable by all with the sticky bit, as /tmp: then only the owner of
+    an entry may move or remove it)."""
+    if st.st_uid not in (os.geteuid(), 0):
+        raise Untrusted(f"{path} is owned by uid {st.st_uid}, not by this user or root")
+    if st.st_mode & 0o022 and not (sticky and st.st_mode & stat.S_ISVTX):
+        raise Untrusted(f"{path} is writable by group or others (mode "
+                        f"{stat.S_IMODE(st.st_mode):o})")
+
+
+def check_folders(directory: Path) -> Path:
+    """`directory`, links resolved, once it and every folder above it pass `_owned` (those
+    above may be sticky); Untrusted otherwise. Folders not made yet are skipped: the
+    build makes them, as this user."""
+    real = Path(os.path.realpath(directory))
+    for folder in (real, *real.parents):
+        try:
+            st = os.stat(folder)
+        except FileNotFoundError:
+            continue
+        _owned(st, folder, sticky=folder != real)
+    return real
+
+
+def _recorded(directory: Path, namespace: str) -> str | None:
+    """The sha256 the build recorded in `directory`'s marker; None where no build did."""
+    try:
+        fd = os.open(directory / "built", os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:  # the folder too, maybe
+        return None
+    with os.fdopen(fd) as f:
+        words = f.read(200).split()
+    if len(words) == 2 and words[0] == namespace and words[1].startswith("sha256="):
+        return words[1].removeprefix("sha256=")
+    return None  # none, or one from before the hash was recorded: built again
+
+
+def open_library(directory: Path, namespace: str, sha256: str | None) -> tuple[int, str]:
+    """A descriptor of `namespace`'s library in `directory` (checked: check_folders) and
+    the sha256 of its bytes, once the file is no link, is a regular file owned by this
+    user or root and writable by no one else, and (`sha256` given) hashes to it; Untrusted
+    otherwise. The caller loads that very file (`/proc/self/fd/<n>`), then closes it."""
+    path = directory / f"{namespace}.so"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:  # ELOOP: a symbolic link
+        raise Untrusted(f"{path} cannot be opened as a file ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{path} is not a regular file")
+        _owned(st, path)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            got = hashlib.file_digest(f, "sha256").hexdigest()
+        if sha256 is not None and got != sha256:
+            raise Untrusted(f"{path} has sha256 {got}, its build recorded {sha256}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, got
+
+
+def _build(directory: Path, name: str, namespace: str) -> None:
+    """Build `name` into `directory` (torch's builder loads the library it made: no one
+    else can write there), then record the sha256 of its bytes in the marker."""
+    from torch.utils.cpp_extension import load as build
+
+    old = os.umask(0o022)  # every folder and file it makes: writable by this user alone
+    os.umask(old | 0o022)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        check_folders(directory)
+        # Not a Python module: the library registers its ops with torch's dispatcher.
+        # torch's builder locks the directory: processes building at once wait.
+        build(name=namespace, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+              build_directory=str(directory), extra_include_paths=[str(SOURCE.parent)],
+              extra_cflags=_flags(name), extra_ldflags=["-fopenmp"])
+        fd, sha256 = open_library(directory, namespace, None)
+        os.close(fd)
+        part = directory / f"built.{os.getpid()}"
+        part.write_text(f"{namespace} sha256={sha256}\n")
+        part.replace(directory / "built")  # whole, or not there
+    finally:
+        os.umask(old)
+
+
+def _load(name: str, namespace: str) -> None:
+    """`name`'s library, built first where no build recorded one; Untrusted where a
+    folder or the library fails a check."""
+    directory = check_folders(build_directory(name))
+    sha256 = _recorded(directory, namespace)
+    if sha256 is None:
+        _build(directory, name, namespace)
+        return
+    fd, _ = open_library(directory, namespace, sha256)
+    try:
+        # torch.ops.load_library would resolve this link and open the file again by
+        # name; dlopen of the link opens the very file hashed (what load_library does).
+        ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
 def ops(name: str | None = None) -> Any:
     """torch.ops.baton_cpu_<isa> for `name` (default: the serving ISA), built at first use;
     None, with the reason logged once, where it cannot build or kernels are off."""
@@ -157,24 +275,10 @@ def ops(name: str | None = None) -> Any:
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
         return None  # not remembered: a test may turn kernels off for a while
     try:
-        from torch.utils.cpp_extension import load as build
-
         namespace = f"baton_cpu_{name}"
-        directory = build_directory(name)
-        done = directory / "built"  # written once the library is whole
-        if done.exists():
-            torch.ops.load_library(str(directory / f"{namespace}.so"))
-        else:
-            directory.mkdir(parents=True, exist_ok=True)
-            # Not a Python module: the library registers its ops with torch's dispatcher.
-            # torch's builder locks the directory: processes building at once wait.
-            build(name=namespace, sources=[str(SOURCE)], is_python_module=False,
-                  verbose=False, build_directory=str(directory),
-                  extra_include_paths=[str(SOURCE.parent)], extra_cflags=_flags(name),
-                  extra_ldflags=["-fopenmp"])
-            done.write_text(namespace + "\n")
+        _load(name, namespace)
         _built[name] = getattr(torch.ops, namespace)
-    except Exception as e:  # no compiler, no headers: torch's ops serve
+    except Exception as e:  # no compiler, no headers, a check failed: torch's ops serve
         _failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("CPU kernels for %s unavailable, using torch's ops (%s)", name,
                     _failed[name])

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import baton.kernels.kv_layout as kv_layout
 
+# The most a peer may state of its cache, checked before anything is sized by it.
+MAX_TP_SIZE = 1024  # ranks of one worker
+MAX_NUM_BLOCKS = 2**31  # blocks of one pool: their ids are int32 on the wire (KvHandle)
 # The KV cache's element types: the model's dtype, or an fp8 one (--kv-cache-dtype).
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1}
@@ -71,6 +75,11 @@ class KVLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
+    def canonical(self) -> bytes:
+        """Every field, tp_size too, in one encoding: what the handshake's proof covers."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
     def element_size(self) -> int:
         return ELEMENT_SIZE[self.dtype]
 
@@ -87,12 +96,15 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise IncompatibleLayout naming every field that differs but tp_size, or
-        tp_size where either side's KV heads cannot be split over its ranks (then no head
-        map exists: kv_transfer/head_map.py)."""
+        tp_size where either side's is past MAX_TP_SIZE or its KV heads cannot be split
+        over its ranks (then no head map exists: kv_transfer/head_map.py)."""
         mine, theirs = asdict(self), asdict(other)
         diff = [f"{k}: ours {mine[k]!r}, peer {theirs[k]!r}" for k in mine
                 if k != "tp_size" and mine[k] != theirs[k]]
         for side, layout in (("ours", self), ("peer", other)):
+            if not 1 <= layout.tp_size <= MAX_TP_SIZE:
+                diff.append(f"tp_size: {side} {layout.tp_size!r}, not in 1..{MAX_TP_SIZE}")
+                continue
             try:
                 kv_layout.rank_heads(layout.num_kv_heads, layout.tp_size, 0)
             except ValueError as e:

@@ -25,8 +25,6 @@ and a pull takes, for every run, layer and block, the K and the V range.
 
 from __future__ import annotations
 
-import base64
-import json
 import threading
 from dataclasses import dataclass
 
@@ -42,7 +40,6 @@ from nixl_cu12 import (
 import baton.kernels.kv_layout as kv_layout
 
 from .base import (
-    IncompatibleLayout,
     KVHandle,
     KVLayout,
     KVReceiver,
@@ -51,8 +48,7 @@ from .base import (
     check_caches,
 )
 from .head_map import HeadRun, head_runs, rank_block_bytes
-
-_METADATA_VERSION = 2  # 2: every rank's base addresses and device
+from .nixl_metadata import PeerMemory, encode, read
 
 
 def _rank_heads(layout: KVLayout, rank: int) -> int:
@@ -197,35 +193,17 @@ class NixlConnector(KVSender, KVReceiver):
     # -- sender --------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        return json.dumps({
-            "version": _METADATA_VERSION,
-            "engine_id": self.engine_id,
-            "fingerprint": self.layout.fingerprint,
-            "agent": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-            "tp_size": self.layout.tp_size,
-            "base_addrs": self._base_addrs,  # [rank][layer]
-            "num_blocks": self.num_blocks,
-            "mem_type": self.mem_type,
-            "device_ids": self.device_ids,  # per rank
-        }).encode()
+        return encode(self.engine_id, self.layout, PeerMemory(
+            self.agent.get_agent_metadata(), self._base_addrs, self.num_blocks,
+            self.mem_type, self.device_ids))
 
     # -- receiver ------------------------------------------------------------------------
 
     def add_peer(self, engine_id: str, layout: KVLayout, metadata: bytes) -> None:
         runs = head_runs(self.layout, layout)  # IncompatibleLayout unless the heads map
-        md = json.loads(metadata)
-        if md.get("version") != _METADATA_VERSION:
-            raise ValueError(f"peer {engine_id}: unknown metadata version {md.get('version')}")
-        if md["engine_id"] != engine_id:
-            raise ValueError(f"metadata of {md['engine_id']!r} given for peer {engine_id!r}")
-        if md["fingerprint"] != layout.fingerprint:
-            raise IncompatibleLayout(f"peer {engine_id}: metadata is for another KV layout")
-        if md["tp_size"] != layout.tp_size or len(md["base_addrs"]) != layout.tp_size:
-            raise ValueError(f"peer {engine_id}: metadata of {len(md['base_addrs'])} ranks, "
-                             f"its layout has {layout.tp_size}")
-        if any(len(bases) != layout.num_layers for bases in md["base_addrs"]):
-            raise ValueError(f"peer {engine_id}: a rank without {layout.num_layers} layers "
-                             "in metadata")
+        same = layout.tp_size == self.layout.tp_size  # whole blocks, else K and V per run
+        per_block = (self.layout.tp_size if same else 2 * len(runs)) * layout.num_layers
+        md = read(engine_id, layout, metadata, per_block)  # every count bounded
         with self._lock:
             if self._closed:
                 raise RuntimeError("connector is closed")
@@ -235,7 +213,7 @@ class NixlConnector(KVSender, KVReceiver):
             if old is not None:  # the peer restarted: drop what pointed at its old memory
                 self._drop_peer(engine_id, "peer re-registered with new metadata")
             try:  # UCX connects here: a dead peer is refused at once
-                name = self.agent.add_remote_agent(base64.b64decode(md["agent"]))
+                name = self.agent.add_remote_agent(md.agent)
             except Exception as e:
                 raise ConnectionError(f"peer {engine_id}: NIXL could not add it: {e!r}") from e
             if isinstance(name, bytes):
@@ -246,18 +224,18 @@ class NixlConnector(KVSender, KVReceiver):
                 self.agent.remove_remote_agent(name)
                 raise ConnectionError(f"peer {engine_id}: NIXL rejected its memory: {e!r}") from e
 
-    def _prepare(self, name: str, metadata: bytes, md: dict, layout: KVLayout,
+    def _prepare(self, name: str, metadata: bytes, md: PeerMemory, layout: KVLayout,
                  runs: list[HeadRun]) -> _Peer:
         """The peer's descriptors, and ours to pair with them where TP sizes differ."""
-        n = md["num_blocks"]
+        n = md.num_blocks
         if layout.tp_size == self.layout.tp_size:  # rank r from rank r, whole blocks
-            table = _block_table(md["base_addrs"], n, layout, md["device_ids"])
-            remote = self.agent.prep_xfer_dlist(name, table, md["mem_type"])
+            table = _block_table(md.base_addrs, n, layout, md.device_ids)
+            remote = self.agent.prep_xfer_dlist(name, table, md.mem_type)
             return _Peer(name, metadata, remote, None, n,
                          self.layout.tp_size * self.layout.num_layers, 1)
-        table = _run_table(md["base_addrs"], n, layout, md["device_ids"],
+        table = _run_table(md.base_addrs, n, layout, md.device_ids,
                            [(r.remote_rank, r.remote_head, r.count) for r in runs])
-        remote = self.agent.prep_xfer_dlist(name, table, md["mem_type"])
+        remote = self.agent.prep_xfer_dlist(name, table, md.mem_type)
         try:
             table = _run_table(self._base_addrs, self.num_blocks, self.layout,
                                self.device_ids,

@@ -114,7 +114,7 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             engine_id=self.engine_id, layout=layout_message(self.layout),
             transport=self.transport, transport_metadata=self.transport_metadata,
             proof=self.cluster.prove(request.nonce, self.engine_id, self.transport,
-                                     self.transport_metadata))
+                                     self.transport_metadata, self.layout))
 
 
 def _undelivered(context) -> bool:

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 
 from baton.services.common import constraint_limits
 from baton.services.common.errors import shown
-from baton.services.common.limits import Limits
+from baton.services.common.limits import (
+    MAX_TEMPLATE_KWARGS_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    Limits,
+)
 from baton.services.common.reasoning import REASONING_PARSERS
 from baton.services.common.sampling_params import StructuredOutput
 from baton.services.common.tool_parsers import TOOL_PARSERS
@@ -34,9 +39,6 @@ from .chat_output import ChatOutput, NamedCall, RequiredCalls
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-MAX_TOOLS = 128  # per request, as OpenAI bounds them
-MAX_TOOL_CALLS = 2048  # in the messages of one chat
-MAX_TEMPLATE_KWARGS_CHARS = 16384
 NO_PARAMETERS = {"type": "object", "properties": {}}
 MODE = {gen.TOOL_CHOICE_MODE_NONE: "none", gen.TOOL_CHOICE_MODE_AUTO: "auto",
         gen.TOOL_CHOICE_MODE_REQUIRED: "required"}

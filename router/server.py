@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from baton.services.common.message_size import request_bytes
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc import tracing
 from baton.services.rpc.errors import DeadlineExceeded
@@ -88,7 +89,8 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
     whole request already); the registry tells `lifecycle` when
     it can serve (NOT_SERVING until then), and its interceptor the size limits that
     Generate and Tokenize requests are counted against before protobuf parses them, both
-    on the intake's parse threads (the event loop never parses a request)."""
+    on the intake's parse threads (the event loop never parses a request); its server
+    takes no message bigger than the largest request within them (gRPC refuses one)."""
     from baton.services.common.default_model import default_model_path
     from baton.services.common.generation_config import read_generation_config
     from baton.services.common.model_source import resolve_tokenizer
@@ -121,6 +123,7 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
         info = registry.model_info()
         return info.max_model_len or None if info is not None else None
 
+    lifecycle.max_receive_bytes = request_bytes(config.limits)
     lifecycle.request_checks.update({
         method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits,
                                                                         max_model_len),

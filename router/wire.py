@@ -25,12 +25,17 @@ from dataclasses import dataclass
 from google.protobuf.descriptor import FieldDescriptor
 
 from baton.services.common import constraint_limits
-from baton.services.common.limits import ITEMS, TABLE, Limits, check_bound
+from baton.services.common.limits import (
+    ITEMS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    TABLE,
+    Limits,
+    check_bound,
+)
 from baton.services.common.sampling_params import MAX_START_AFTER
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
-
-from .chat import MAX_TOOL_CALLS, MAX_TOOLS
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 # Fields not counted against a limit of their own, in one request: far more than any

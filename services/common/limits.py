@@ -24,6 +24,11 @@ from typing import TYPE_CHECKING
 
 ITEMS, CHARS = "items", "characters"  # how a row counts (Bound.count)
 ROUTER_ID_CHARS = 64  # room for the ids the router makes itself (OpenAI's choices)
+# A chat's fixed bounds (router/chat.py checks them; its tool schemas, arguments and
+# reasoning count as prompt characters).
+MAX_TOOLS = 128  # per request, as OpenAI bounds them
+MAX_TOOL_CALLS = 2048  # in the messages of one chat
+MAX_TEMPLATE_KWARGS_CHARS = 16384
 
 
 class OverLimit(ValueError):

@@ -6,11 +6,12 @@ tell its own cluster from anyone else who reaches its port.
                              refuses a call without it, or with another, UNAUTHENTICATED
                              (`check`). Health and reflection stay open.
     the handshake            the decode worker sends a fresh nonce; the prefill worker
-                             answers with an HMAC under the token over that nonce and what
-                             it hands out (engine id, transport, transport metadata):
-                             `prove`. The decode worker pulls only from a peer whose
-                             proof holds (`proven`), so a caller cannot point it at a
-                             source of its own.
+                             answers with an HMAC under the token over that nonce and all
+                             it states (engine id, transport, transport metadata, and its
+                             KV layout, tp_size included): `prove`. The decode worker
+                             pulls only from a peer whose proof holds (`proven`), so a
+                             caller cannot point it at a source of its own, nor change
+                             what a member stated. A peer of the v1 proof fails it.
 
 Tokens are compared in constant time. The token is plain metadata: without TLS, whoever
 can watch the workers' network can read it. Keep that network private, or turn TLS on.
@@ -25,10 +26,12 @@ from collections.abc import Callable
 
 import grpc
 
+from baton.kv_transfer.base import KVLayout
+
 METADATA_KEY = "baton-cluster-token"
 # Methods any caller may use: probes and tools must see a worker without the secret.
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-PROOF_LABEL = b"baton-handshake-v1"
+PROOF_LABEL = b"baton-handshake-v2"  # v2: the layout is covered
 
 
 class ClusterToken:
@@ -60,20 +63,23 @@ class ClusterToken:
 
         return check
 
-    def prove(self, nonce: bytes, engine_id: str, transport: str, metadata: bytes) -> bytes:
+    def prove(self, nonce: bytes, engine_id: str, transport: str, metadata: bytes,
+              layout: KVLayout) -> bytes:
         """A prefill worker's proof that it holds the token (b"" without one): an HMAC
-        over the caller's nonce and the handshake's answer, each part length-prefixed."""
+        over the caller's nonce and the handshake's answer (the layout in its canonical
+        encoding), each part length-prefixed."""
         if self.token is None or not nonce:
             return b""
         mac = hmac.new(self.token.encode(), PROOF_LABEL, hashlib.sha256)
-        for part in (nonce, engine_id.encode(), transport.encode(), metadata):
+        for part in (nonce, engine_id.encode(), transport.encode(), metadata,
+                     layout.canonical):
             mac.update(len(part).to_bytes(8, "big") + part)
         return mac.digest()
 
     def proven(self, proof: bytes, nonce: bytes, engine_id: str, transport: str,
-               metadata: bytes) -> bool:
+               metadata: bytes, layout: KVLayout) -> bool:
         """Whether `proof` is `prove(...)` of these values under our token."""
-        want = self.prove(nonce, engine_id, transport, metadata)
+        want = self.prove(nonce, engine_id, transport, metadata, layout)
         return bool(want) and hmac.compare_digest(proof, want)
 
     # ---- a caller's side: the token on every call of a channel ----------------------------

@@ -38,6 +38,9 @@ from .errors import InvalidArgument, ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
 
+# A message a service sends (a KV blocks' chunk, a snapshot of KV events), and one a
+# channel between services receives. What a server receives is its own bound
+# (`Lifecycle.max_receive_bytes`, from services/common/message_size.py).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Channels between services retry a peer that went away at least every RECONNECT_MAX_MS:
 # gRPC's own backoff grows to two minutes (and every channel of a process to that address
@@ -78,6 +81,10 @@ class Lifecycle:
         # once: the router's, which bounds the bytes waiting and takes turns by API key.
         self.parse: Callable[[tuple, Callable[[bytes], object], bytes],
                              Awaitable[object]] | None = None
+        # The largest request this service takes (router/server.py, services/worker/
+        # runtime.py set theirs): gRPC refuses a bigger message (RESOURCE_EXHAUSTED)
+        # before any of it reaches Python.
+        self.max_receive_bytes = MAX_MESSAGE_BYTES
 
     async def set_serving(self, serving: bool) -> None:
         """SERVING or NOT_SERVING for every service here (never SERVING while draining);
@@ -273,7 +280,9 @@ def make_server(register: Callable[[grpc.aio.Server], list[str]], state: Lifecyc
                 max_calls: int | None = None) -> grpc.aio.Server:
     """A server with the interceptor, the servicers, health and reflection (no port),
     serving at most `max_calls` calls at once (None: no bound)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor(state)],
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", state.max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=[ErrorInterceptor(state)],
                              maximum_concurrent_rpcs=max_calls)
     state.names = register(server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)

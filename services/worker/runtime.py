@@ -15,6 +15,7 @@ import grpc
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
+from ..common.message_size import worker_request_bytes
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine, ReceiverFactory
 from ..engine.tp_ranks import run_node
@@ -64,6 +65,17 @@ def watch_ranks(aengine: AsyncEngine) -> None:
     ranks.group.on_death(died)
 
 
+def worker_lifecycle(service: str, engine: LLMEngine, security: Security) -> Lifecycle:
+    """A worker's: its role's work method (what a drain refuses), the cluster token on
+    every call, and no message bigger than the largest request its engine takes."""
+    work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
+    lifecycle = Lifecycle((method_name(wk, service, work),))
+    lifecycle.authorize = security.cluster.check()
+    lifecycle.max_receive_bytes = worker_request_bytes(engine.max_model_len,
+                                                       engine.kv_layout.block_size)
+    return lifecycle
+
+
 def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
                add_servicer: Callable[[grpc.aio.Server, AsyncEngine, WorkerMetrics], None],
                closers=()) -> None:
@@ -85,9 +97,7 @@ def run_worker(config: WorkerConfig, role: str, engine: LLMEngine, service: str,
     metrics.watch(aengine)
     watch_ranks(aengine)
     metrics.serve(svc)
-    work = {"PrefillService": "Prefill", "DecodeService": "Decode"}[service]
-    lifecycle = Lifecycle((method_name(wk, service, work),))
-    lifecycle.authorize = security.cluster.check()
+    lifecycle = worker_lifecycle(service, engine, security)
 
     def register(server: grpc.aio.Server) -> list[str]:
         add_servicer(server, aengine, metrics)

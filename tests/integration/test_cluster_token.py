@@ -8,6 +8,9 @@ only by its id."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+from dataclasses import replace
 from types import SimpleNamespace
 
 import grpc
@@ -291,11 +294,46 @@ def test_a_prefill_worker_with_another_token_refuses_us_and_we_say_so():
 
 def test_a_proof_holds_for_one_nonce_only():
     cluster = ClusterToken(TOKEN)
-    proof = cluster.prove(b"n" * 16, "prefill-1", "nixl", b"agent")
-    assert cluster.proven(proof, b"n" * 16, "prefill-1", "nixl", b"agent")
-    assert not cluster.proven(proof, b"m" * 16, "prefill-1", "nixl", b"agent")
-    assert not cluster.proven(proof, b"n" * 16, "prefill-1", "nixl", b"another agent")
-    assert not ClusterToken(TOKEN).proven(b"", b"", "prefill-1", "nixl", b"agent")
+    proof = cluster.prove(b"n" * 16, "prefill-1", "nixl", b"agent", LAYOUT)
+    assert cluster.proven(proof, b"n" * 16, "prefill-1", "nixl", b"agent", LAYOUT)
+    assert not cluster.proven(proof, b"m" * 16, "prefill-1", "nixl", b"agent", LAYOUT)
+    assert not cluster.proven(proof, b"n" * 16, "prefill-1", "nixl", b"another agent",
+                              LAYOUT)
+    assert not ClusterToken(TOKEN).proven(b"", b"", "prefill-1", "nixl", b"agent", LAYOUT)
+
+
+@pytest.mark.parametrize("change", [{"tp_size": 2}, {"tp_size": 2**30}, {"model": "toy2"},
+                                    {"kv_scales": "1"}])
+def test_a_proof_covers_every_field_of_the_layout_it_states(change):
+    cluster = ClusterToken(TOKEN)
+    proof = cluster.prove(b"n" * 16, "prefill-1", "nixl", b"agent", LAYOUT)
+    assert not cluster.proven(proof, b"n" * 16, "prefill-1", "nixl", b"agent",
+                              replace(LAYOUT, **change))
+
+
+def test_a_proof_of_the_first_version_fails():
+    """A peer of v1 (which covered no layout) is refused: both sides change together."""
+    mac = hmac.new(TOKEN.encode(), b"baton-handshake-v1", hashlib.sha256)
+    for part in (b"n" * 16, b"prefill-1", b"nixl", b"agent"):
+        mac.update(len(part).to_bytes(8, "big") + part)
+    assert not ClusterToken(TOKEN).proven(mac.digest(), b"n" * 16, "prefill-1", "nixl",
+                                          b"agent", LAYOUT)
+
+
+class Rewritten(PrefillServicer):
+    """A member's handshake answer with its layout changed on the way (tp_size)."""
+
+    async def Handshake(self, request, context):
+        reply = await super().Handshake(request, context)
+        reply.layout.tp_size = 2
+        return reply
+
+
+def test_a_layout_changed_after_the_proof_is_refused():
+    member = Rewritten(_aengine(), "prefill-1", "fake", b"agent-metadata", None,
+                       ClusterToken(TOKEN))
+    with pytest.raises(FailedPrecondition, match="cannot prove"):
+        asyncio.run(_connect(_security(TOKEN), member, ClusterToken(TOKEN).check()))
 
 
 def test_without_any_credential_a_peer_is_paired_but_not_verified():

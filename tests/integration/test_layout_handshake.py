@@ -115,3 +115,20 @@ def test_we_refuse_a_peer_from_before_the_field():
     with pytest.raises(FailedPrecondition, match="cache_layout: ours 'block-major/v1', "
                                                  "peer ''"):
         _connect(OURS, Answers(old))
+
+
+def test_we_refuse_a_peer_that_advertises_a_huge_tp_size_before_using_it():
+    """Its tp_size would size a list of its ranks (kv_transfer/head_map.py): past
+    MAX_TP_SIZE it is refused at the layout check, named, and no transport sees it."""
+    with pytest.raises(FailedPrecondition, match="tp_size: peer 1073741824, not in 1..1024"):
+        _connect(OURS, Answers(layout_message(replace(OURS, tp_size=2**30))))
+
+
+def test_a_prefill_worker_refuses_a_decode_worker_of_a_huge_tp_size():
+    async def go():
+        request = wk.HandshakeRequest(engine_id="decode-1", nonce=b"n" * 16,
+                                      layout=layout_message(replace(OURS, tp_size=2**30)))
+        await _prefill(OURS).Handshake(request, None)
+
+    with pytest.raises(ValueError, match="tp_size: peer 1073741824, not in 1..1024"):
+        asyncio.run(go())

@@ -10,10 +10,12 @@ the sender's bytes there and nothing anywhere else.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import threading
 import time
+import tracemalloc
 import uuid
 from dataclasses import dataclass
 
@@ -174,6 +176,24 @@ def test_incompatible_layout_is_refused(peer):
         receiver.start_load("t", _handle(peer.engine_id), [0], [0])
         state, reason = receiver.poll("t")
         assert state is TransferState.FAILED and "unknown peer" in reason
+
+
+def test_a_peer_stating_a_huge_pool_is_refused_before_anything_is_built():
+    """Its num_blocks would size our descriptor tables (2**40 blocks: terabytes): refused,
+    named, before NIXL or numpy sees it; the peer is not added."""
+    layout = _layout()
+    with _receiver(layout) as (receiver, _):
+        md = dict(json.loads(receiver.metadata()), engine_id="peer-x", num_blocks=2**40)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="num_blocks 1099511627776 not in"):
+                receiver.add_peer("peer-x", layout, json.dumps(md).encode())
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak
+        receiver.start_load("t", _handle("peer-x"), [0], [0])
+        assert receiver.poll("t") == (TransferState.FAILED, "unknown peer peer-x")
 
 
 @pytest.mark.parametrize("remote, local, why", [

@@ -234,3 +234,25 @@ def test_both_images_copy_every_package_pyproject_installs():
     for image in ("router", "worker"):
         missing = needed - _copied(stages, _chain(stages, image))
         assert not missing, f"{image} image lacks {sorted(missing)}"
+
+
+def test_the_worker_images_cpu_kernels_stay_roots_and_read_only_to_its_user():
+    """Built as root, and never given to the user the services run as (nor any folder
+    above them): a file-write bug in a service cannot become native code at its next
+    start (kernels/cpu_ops.py loads only from folders that user cannot write)."""
+    ops = _chain(_stages(), "worker")
+    env = dict(a.split("=", 1) for op, a in ops if op == "ENV" and "=" in a and " " not in a)
+    kernels = Path(env["TORCH_EXTENSIONS_DIR"])
+    build = next(i for i, (op, a) in enumerate(ops) if op == "RUN" and "cpu_ops" in a)
+    assert not [a for op, a in ops[:build] if op == "USER"], "the kernels build as root"
+    for op, args in ops:
+        commands = [c.split() for c in args.split("&&")] if op == "RUN" else []
+        given = [w for c in commands if c and c[0] in ("chown", "chmod")
+                 for w in c[1:] if w.startswith("/")]
+        if op == "COPY" and "--chown" in args:
+            given.append(shlex.split(args)[-1])
+        for path in map(Path, given):
+            assert not (kernels == path or kernels.is_relative_to(path)
+                        or path.is_relative_to(kernels)), f"{op} {args}: gives {path} away"
+    users = [a for op, a in ops if op == "USER"]
+    assert users[-1] == "baton"

@@ -112,3 +112,25 @@ def test_the_layout_message_carries_tp_size_and_a_peer_without_it_runs_one_rank(
     old = layout_message(ours)
     old.ClearField("tp_size")  # a peer from before the field
     assert layout_from_message(old) == replace(ours, tp_size=1)
+
+
+@pytest.mark.parametrize("tp", [2**40, 2**30, 0, -2])
+def test_a_peers_tp_size_out_of_bounds_is_refused_before_any_rank_is_mapped(tp,
+                                                                            monkeypatch):
+    """A peer's tp_size would size a list of its ranks (head_map.sources): one past
+    MAX_TP_SIZE is refused, naming it, before a single rank is looked at (rank_heads
+    counted: one call per side would be the check; per rank, the allocation)."""
+    calls, real = [0], kv_layout.rank_heads
+
+    def counted(heads, tp_size, rank):
+        calls[0] += 1
+        if calls[0] > 1000:
+            pytest.fail(f"rank_heads called per rank of tp_size {tp_size}: not bounded")
+        return real(heads, tp_size, rank)
+
+    monkeypatch.setattr(kv_layout, "rank_heads", counted)
+    with pytest.raises(IncompatibleLayout, match=f"tp_size: peer {tp}, not in 1..1024"):
+        head_runs(_layout(2, 1), _layout(2, tp))
+    assert calls[0] <= 2
+    with pytest.raises(IncompatibleLayout, match=f"tp_size: ours {tp}, not in 1..1024"):
+        _layout(2, tp).check_compatible(_layout(2, 1))
