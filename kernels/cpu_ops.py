@@ -202,7 +202,7 @@ def open_library(directory: Path, namespace: str, sha256: str | None) -> tuple[i
     """A descriptor of `namespace`'s library in `directory` (checked: check_folders) and
     the sha256 of its bytes, once the file is no link, is a regular file owned by this
     user or root and writable by no one else, and (`sha256` given) hashes to it; Untrusted
-    otherwise. The caller loads that very file (`/proc/self/fd/<n>`), then closes it."""
+    otherwise. The caller loads that very file (`/proc/self/fd/<n>`)."""
     path = directory / f"{namespace}.so"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -247,6 +247,9 @@ def _build(directory: Path, name: str, namespace: str) -> None:
         os.umask(old)
 
 
+_LIBRARY_FDS: list[int] = []
+
+
 def _load(name: str, namespace: str) -> None:
     """`name`'s library, built first where no build recorded one; Untrusted where a
     folder or the library fails a check."""
@@ -260,8 +263,14 @@ def _load(name: str, namespace: str) -> None:
         # torch.ops.load_library would resolve this link and open the file again by
         # name; dlopen of the link opens the very file hashed (what load_library does).
         ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    # Kept open for the process's life: dlopen knows a loaded library by its name, so a
+    # later ISA's library opened on a reused descriptor number would be taken for this one.
+    _LIBRARY_FDS.append(fd)
+    if not hasattr(getattr(torch.ops, namespace), "rms_norm"):
+        raise Untrusted(f"{directory}: its library registered no {namespace} ops")
 
 
 def ops(name: str | None = None) -> Any:

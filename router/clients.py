@@ -78,13 +78,17 @@ class GrpcWorkerClient:
 
     def _error(self, call, e: BaseException) -> WorkerError | None:
         """The WorkerError for a call that ended with `e`, or None to re-raise `e`."""
-        if isinstance(e, grpc.aio.AioRpcError):
-            return WorkerError(e.code(), e.details() or "", retry_after_s(e.trailing_metadata()))
         task = asyncio.current_task()
-        if (isinstance(e, asyncio.CancelledError) and self._inflight.get(call)
-                and not (task is not None and task.cancelling())):
+        # Ended by fail_inflight: the awaiting read sees CancelledError, or, where the
+        # cancel came between two reads, the next one sees gRPC's own CANCELLED.
+        failed = self._inflight.get(call) and (
+            isinstance(e, asyncio.CancelledError) and not (task and task.cancelling())
+            or isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED)
+        if failed:
             return WorkerError(grpc.StatusCode.UNAVAILABLE,
                                f"worker {self.address} stopped answering")
+        if isinstance(e, grpc.aio.AioRpcError):
+            return WorkerError(e.code(), e.details() or "", retry_after_s(e.trailing_metadata()))
         return None
 
     @contextmanager

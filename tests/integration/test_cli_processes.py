@@ -45,11 +45,10 @@ def test_the_cluster_token_reaches_each_cluster_role_but_never_help_or_a_childs_
     from baton.cli.up import cluster_env
 
     token = "t0ken-" * 4
-    for role in ("router", "prefill", "decode"):
+    # The colocated role too: its ranks on other hosts prove it, and the KV tiers' MAC.
+    for role in ("router", "prefill", "decode", "colocated"):
         got = _configs(role, env={"BATON_CLUSTER_TOKEN": token}, monkeypatch=monkeypatch)
         assert ServiceConfig(**got["service"]).cluster_secret() == token
-    # The colocated role has no cluster: its worker is in its own process.
-    assert "cluster_token" not in _configs("colocated", monkeypatch=monkeypatch)["service"]
     out = subprocess.run([sys.executable, "-m", "baton.cli", "serve", "--role", "decode", "--help"],
                          capture_output=True, text=True, cwd=ROOT, check=True,
                          env={"COLUMNS": "300", "PATH": "", "BATON_CLUSTER_TOKEN": token}

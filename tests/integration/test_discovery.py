@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from baton.router import registry as registry_module
-from baton.router.clients import GrpcWorkerClient
+from baton.router.clients import GrpcWorkerClient, WorkerError
 from baton.router.config import RouterConfig
 from baton.router.discovery import Target, resolve
 from baton.router.registry import Registry
 from baton.router.reply import Caller
 from baton.router.server import build
 from baton.services.rpc.server import Lifecycle
+from baton.v1 import generation_pb2 as gen
+from baton.worker.v1 import worker_pb2 as wk
 from tests.dns_server import DnsServer
 from tests.router_fakes import FAKES, FakeWorker, _serve, expected, request
 
@@ -224,4 +227,52 @@ def test_a_grace_of_zero_retires_at_the_first_empty_answer(dns_server):
         assert registry.decode == []
         await registry.close()
 
+    asyncio.run(main())
+
+
+def test_a_stream_failed_between_two_reads_counts_as_its_worker_down():
+    """fail_inflight() (the registry's word that a worker is gone) may land while the
+    router is busy between two messages of a stream: gRPC's next read then says CANCELLED,
+    which must move the stream on as the read that was waiting does, never end it."""
+    async def main():
+        worker = FakeWorker("decode", "d-slow", token_delay_s=0.01)
+        server = await _serve(worker)
+        client = GrpcWorkerClient(worker.address)
+        try:
+            stream = client.decode(wk.DecodeRequest(
+                request_id="r", prompt_token_ids=[1, 2, 3],
+                sampling=gen.SamplingParams(max_tokens=50)), timeout=10)
+            assert (await anext(stream)).delta.token_ids
+            client.fail_inflight()  # between two reads: no read is waiting
+            await asyncio.sleep(0.05)
+            with pytest.raises(WorkerError) as err:
+                async for _ in stream:
+                    pass
+            assert err.value.worker_down, err.value
+        finally:
+            await client.close()
+            await server.stop(0)
+    asyncio.run(main())
+
+
+def test_a_call_failed_by_the_registry_that_ends_cancelled_is_its_worker_down():
+    # Seen under load: a stream the registry failed ended with gRPC's own CANCELLED
+    # ("Locally cancelled by application!"), not asyncio's CancelledError, and reached
+    # the client as an error instead of moving on.
+    async def main():
+        client = GrpcWorkerClient("127.0.0.1:1")
+        call = object()
+        cancelled = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
+                                         grpc.aio.Metadata(),
+                                         details="Locally cancelled by application!")
+        with pytest.raises(WorkerError) as err:
+            with client._tracked(call):
+                client._inflight[call] = True  # what fail_inflight() marks
+                raise cancelled
+        assert err.value.worker_down
+        with pytest.raises(WorkerError) as err:  # not failed by the registry: as it says
+            with client._tracked(call):
+                raise cancelled
+        assert err.value.code == grpc.StatusCode.CANCELLED
+        await client.close()
     asyncio.run(main())
