@@ -13,6 +13,7 @@ import json
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -161,45 +162,51 @@ async def _send_all(base: str, address: str, http_bodies, grpc_requests) -> list
     return out
 
 
+@asynccontextmanager
+async def serving_router(tok):
+    """The real router over fakes, with its HTTP API, ready: yields (cluster, base URL,
+    an HTTP client). Workers are not what is tested: slow polls on a busy machine must not
+    mark them down (a poller of /health sees any stall of the loop anyway)."""
+    async with cluster(tok, worker_timeout=30) as c:
+        port = free_port()
+        config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port)
+        http = HttpServer(config, c.router, Security(ServiceConfig(), ()), c.lifecycle)
+        await http.start()
+        base = f"http://127.0.0.1:{port}"
+        gc.freeze()  # as the router's run() does once loaded (else a full collection
+        # of this test process, torch and all, pauses its loop for half a second)
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                deadline = time.monotonic() + 60  # until the router found its workers
+                while (await client.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline, "the router never became ready"
+                    await asyncio.sleep(0.01)
+                yield c, base, client
+        finally:
+            gc.unfreeze()
+            await http.stop()
+
+
 def test_giant_requests_are_refused_fast_while_health_answers(tok):
     async def main():
-        # Workers are not what is tested: slow polls on a busy machine must not mark them
-        # down (the poller below would see any stall of the loop anyway).
-        async with cluster(tok, worker_timeout=30) as c:
-            port = free_port()
-            config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port)
-            http = HttpServer(config, c.router, Security(ServiceConfig(), ()), c.lifecycle)
-            await http.start()
-            base = f"http://127.0.0.1:{port}"
-            gc.freeze()  # as the router's run() does once loaded (else a full collection
-            # of this test process, torch and all, pauses its loop for half a second)
-            try:
-                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                    deadline = time.monotonic() + 60  # until the router found its workers
-                    while (await client.get("/health")).status_code != 200:
-                        assert time.monotonic() < deadline, "the router never became ready"
-                        await asyncio.sleep(0.01)
-                    # The abuser is another process (its own work costs this loop
-                    # nothing); it builds its bodies, then sends them each time told.
-                    sender = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "tests.integration.test_abuse", base, c.address,
-                        cwd=ROOT, stdin=asyncio.subprocess.PIPE,
-                        stdout=asyncio.subprocess.PIPE)
-                    assert await sender.stdout.readline() == b"ready\n"
-                    stop, latencies = asyncio.Event(), []
-                    poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
-                    rounds = []  # every giant request each, until enough polls came meanwhile
-                    while len(latencies) <= 10:
-                        sender.stdin.write(b"go\n")
-                        await sender.stdin.drain()
-                        rounds.append(json.loads(await sender.stdout.readline()))
-                    await sender.communicate(b"")
-                    stop.set()
-                    await poller
-                    await served_as_ever(client, c)
-            finally:
-                gc.unfreeze()
-                await http.stop()
+        async with serving_router(tok) as (c, base, client):
+            # The abuser is another process (its own work costs this loop nothing); it
+            # builds its bodies, then sends them each time told.
+            sender = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.integration.test_abuse", base, c.address,
+                cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            assert await sender.stdout.readline() == b"ready\n"
+            stop, latencies = asyncio.Event(), []
+            poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
+            rounds = []  # every giant request each, until enough polls came meanwhile
+            while len(latencies) <= 10:
+                sender.stdin.write(b"go\n")
+                await sender.stdin.drain()
+                rounds.append(json.loads(await sender.stdout.readline()))
+            await sender.communicate(b"")
+            stop.set()
+            await poller
+            await served_as_ever(client, c)
         return rounds, latencies
 
     rounds, latencies = asyncio.run(main())

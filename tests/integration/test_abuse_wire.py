@@ -14,24 +14,22 @@ gRPC health answer every poll within 0.3 s."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import threading
 import time
-from contextlib import asynccontextmanager
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.router.config import RouterConfig
-from baton.router.openai.server import HttpServer
-from baton.services.rpc.config import ServiceConfig
-from baton.services.rpc.security import Security
 from baton.v1 import generation_pb2 as gen
-from tests.e2e.topology import free_port
-from tests.integration.test_abuse import GENERATE, _number, _poll, _send_all, served_as_ever
-from tests.router_fakes import cluster
+from tests.integration.test_abuse import (
+    GENERATE,
+    _number,
+    _poll,
+    _send_all,
+    served_as_ever,
+    serving_router,
+)
 from tests.unit.test_limits import _len_field
 
 IDS = 16_000_000  # one byte each: a 16 MB request, within what gRPC lets through
@@ -70,34 +68,11 @@ def _http_bodies() -> list[tuple[str, bytes, str]]:
              json.dumps({"model": "fake", "messages": messages}).encode(), "messages")]
 
 
-@asynccontextmanager
-async def _router(tok):
-    """The real router over fakes, with its HTTP API, ready; yields (cluster, base URL,
-    an HTTP client). Its objects are frozen for the collector, as its run() does."""
-    async with cluster(tok, worker_timeout=30) as c:  # slow polls mark no worker down
-        port = free_port()
-        config = RouterConfig(service=ServiceConfig("127.0.0.1:0"), http_port=port)
-        http = HttpServer(config, c.router, Security(ServiceConfig(), ()), c.lifecycle)
-        await http.start()
-        base = f"http://127.0.0.1:{port}"
-        gc.freeze()
-        try:
-            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                deadline = time.monotonic() + 60  # until the router found its workers
-                while (await client.get("/health")).status_code != 200:
-                    assert time.monotonic() < deadline, "the router never became ready"
-                    await asyncio.sleep(0.01)
-                yield c, base, client
-        finally:
-            gc.unfreeze()
-            await http.stop()
-
-
 def test_packed_ids_and_giant_tool_call_ids_are_refused_while_health_answers(tok):
     bodies, requests = _http_bodies(), _grpc_requests()
 
     async def main():
-        async with _router(tok) as (c, base, client):
+        async with serving_router(tok) as (c, base, client):
             stop, latencies = asyncio.Event(), []
             poller = asyncio.ensure_future(_poll(f"{base}/health", stop, latencies))
             rounds = []  # every giant request each, until enough polls came meanwhile
@@ -149,7 +124,7 @@ def test_a_64_mb_generate_is_refused_by_grpc_while_health_answers_every_poll(tok
     assert len(raw) > 64_000_000
 
     async def main():
-        async with _router(tok) as (c, base, client):
+        async with serving_router(tok) as (c, base, client):
             seen, check = [], c.lifecycle.request_checks[GENERATE]
 
             def counted(raw: bytes) -> None:  # the first to read a Generate's bytes
