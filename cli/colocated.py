@@ -26,7 +26,8 @@ from baton.v1 import generation_pb2 as gen
 
 def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
     tracing.setup("baton-colocated", worker.service)
-    engine = make_engine(worker.engine, worker.threads, role="colocated")
+    engine = make_engine(worker.engine, worker.threads, role="colocated",
+                         cpus=worker.cpu_set)
     aengine = AsyncEngine(engine, worker.max_waiting, worker.engine_stall_timeout)
     metrics = WorkerMetrics(lambda: aengine.stats, engine.model_info.model,
                             engine.kv_layout.block_bytes,  # served with the router's

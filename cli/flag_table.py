@@ -182,6 +182,10 @@ FLAGS: list[Flag] = [
        kind=int, optional=True),
     _f("threads", WORKERS, "worker.threads", "torch intra-op threads (default: torch's)",
        kind=int, optional=True),
+    _f("cpus", WORKERS, "worker.cpus",
+       "the CPU cores this worker (and its tensor-parallel ranks) may run on, as taskset "
+       "lists them (\"0\", \"2-3\", \"0,4-5\"); torch's threads default to their count: "
+       "topologies compared on the same cores, each engine on its share", optional=True),
     _f("engine-stall-timeout", WORKERS, "worker.engine_stall_timeout",
        "seconds a step may take before the engine counts as stuck: health NOT_SERVING, "
        "and the router moves its requests on", kind=float),
@@ -211,12 +215,25 @@ FLAGS: list[Flag] = [
     _f("load-weight", ("router",), "router.load_weight",
        "routing cost of a unit of a worker's load (waiting x 4 + running), in prompt "
        "tokens", kind=float),
+    _f("disaggregation", ("router",), "router.disaggregation",
+       "where each prompt is computed: auto (per prompt: its uncached length, the "
+       "prefill workers' queue), always (on a prefill worker), never (on the decode "
+       "worker that streams it)", choices=("auto", "always", "never")),
     _f("local-prefill-tokens", ("router",), "router.local_prefill_tokens",
-       "the decode worker prefills a prompt itself when it lacks at most this many of "
-       "its tokens (0: off)", kind=int),
+       "auto: the decode worker prefills a prompt itself when it lacks at most this many "
+       "of its tokens (0: off)", kind=int),
     _f("local-prefill-hit", ("router",), "router.local_prefill_hit",
        "... or when it holds at least this share of the prompt's blocks (0: never)",
        kind=float),
+    _f("local-prefill-queue", ("router",), "router.local_prefill_queue",
+       "... or when the prefill workers' queued prompt tokens exceed the decode worker's "
+       "by this many times (0: never)", kind=float),
+    _f("slo-ttft-ms", ("router",), "router.slo_ttft_ms",
+       "a time-to-first-token target: requests past it are counted "
+       "(baton:slo_misses_total{slo=\"ttft\"}; 0: none)", kind=float),
+    _f("slo-itl-ms", ("router",), "router.slo_itl_ms",
+       "a target for a request's mean time per output token after the first "
+       "(baton:slo_misses_total{slo=\"itl\"}; 0: none)", kind=float),
     _f("tool-call-parser", ROUTERS, "router.tool_call_parser",
        "how tool calls are found in a chat's text for tool_choice \"auto\" (the "
        "model's format)", choices=tuple(TOOL_PARSERS), optional=True),

@@ -258,7 +258,7 @@ def serve(config: WorkerConfig) -> None:
         return made["checked"]
 
     engine = make_engine(config.engine, config.threads, kv_receiver=receiver,
-                         role="decode")
+                         role="decode", cpus=config.cpu_set)
 
     def add(server: grpc.aio.Server, aengine: AsyncEngine, metrics: WorkerMetrics) -> None:
         wk_grpc.add_DecodeServiceServicer_to_server(

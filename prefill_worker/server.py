@@ -129,7 +129,8 @@ def serve(config: WorkerConfig) -> None:
     if transport is None:  # the CLI sets it (NIXL where it loads, else gRPC)
         raise ValueError("kv_transport: not set (nixl or grpc)")
     security = Security.of(config)
-    engine = make_engine(config.engine, config.threads, role="prefill")
+    engine = make_engine(config.engine, config.threads, role="prefill",
+                         cpus=config.cpu_set)
     sender = make_sender(transport, config.engine_id, engine.kv_layout,
                          engine.rank_kv_caches)
 

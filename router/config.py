@@ -10,7 +10,14 @@ from baton.services.rpc.config import ServiceConfig
 
 from .chat import ChatSettings
 from .discovery import Target
-from .policy import DISK_WEIGHT, HOST_WEIGHT, Policy
+from .policy import (
+    DISAGGREGATION,
+    DISK_WEIGHT,
+    HOST_WEIGHT,
+    LOCAL_PREFILL_QUEUE,
+    LOCAL_PREFILL_TOKENS,
+    Policy,
+)
 
 
 @dataclass(frozen=True)
@@ -29,8 +36,19 @@ class RouterConfig:
     kv_host_weight: float = HOST_WEIGHT
     kv_disk_weight: float = DISK_WEIGHT
     load_weight: float = 64.0  # the cost of a unit of load, in prompt tokens
-    local_prefill_tokens: int = 0  # decode prefills itself when it lacks at most this
+    # Where a prompt is computed (router/policy.py): "auto" weighs each prompt (its
+    # uncached length, the prefill workers' queue); "always" on a prefill worker (a
+    # decode worker only when none can); "never" on the decode worker that streams it.
+    disaggregation: str = "auto"
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # auto: decode prefills what lacks <= this
     local_prefill_hit: float = 0.9  # ... or holds this share of the prompt (0: never)
+    # auto: ... or the prefill workers' queued prompt tokens exceed the decode worker's
+    # by this many times (its prefill slows its own streams: 0 turns this off)
+    local_prefill_queue: float = LOCAL_PREFILL_QUEUE
+    # SLOs the router counts misses of (baton:slo_misses_total): a request's time to
+    # first token, and its mean time per output token after the first (0: none).
+    slo_ttft_ms: float = 0.0
+    slo_itl_ms: float = 0.0
     model: str | None = None  # where the tokenizer comes from (default: the default model)
     tokenizer: str | None = None  # a tokenizer folder or hub id instead of the model's
     revision: str | None = None  # of a hub id
@@ -92,7 +110,11 @@ class RouterConfig:
         for name in ("max_http_connections", "max_grpc_calls"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens"):
+        if self.disaggregation not in DISAGGREGATION:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION}, got "
+                             f"{self.disaggregation!r}")
+        for name in ("kv_overlap_weight", "load_weight", "local_prefill_tokens",
+                     "local_prefill_queue", "slo_ttft_ms", "slo_itl_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("local_prefill_hit", "kv_host_weight", "kv_disk_weight"):
@@ -131,5 +153,7 @@ class RouterConfig:
         return Policy(kv_weight=self.kv_overlap_weight if kv else 0.0,
                       load_weight=self.load_weight, host_weight=self.kv_host_weight,
                       disk_weight=self.kv_disk_weight,
+                      disaggregation=self.disaggregation,
                       local_prefill_tokens=self.local_prefill_tokens,
-                      local_prefill_hit=self.local_prefill_hit if kv else 0.0)
+                      local_prefill_hit=self.local_prefill_hit if kv else 0.0,
+                      local_prefill_queue=self.local_prefill_queue)

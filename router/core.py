@@ -215,6 +215,7 @@ class Router:
             if worker.state != "up":  # went down (or draining) since the list was made
                 continue
             worker.routed += 1
+            worker.routed_tokens += self._work(worker, reply)
             reply.timings.expected_cached_blocks = self.registry.policy.matched(
                 worker, reply.blocks)
             worker.index.predict(reply.blocks)
@@ -276,6 +277,7 @@ class Router:
                             f"prefill engine {lease.engine_id}: {worker.address} computes it")
                 lease.give_up()
             if not reply.streamed:  # it computes the prompt: what did we expect it holds?
+                worker.routed_tokens += self._work(worker, reply)
                 reply.timings.local_prefill = True
                 reply.timings.expected_cached_blocks = self.registry.policy.matched(
                     worker, reply.blocks)
@@ -305,6 +307,12 @@ class Router:
                 exclude.add(worker.address)
             finally:
                 span.end()
+
+    def _work(self, worker, reply: Reply) -> int:
+        """Prompt tokens `worker` will compute for `reply`'s request (what it lacks)."""
+        if reply.blocks is None:
+            return len(reply.job.prompt_ids)
+        return max(0, round(self.registry.policy.uncached(worker, reply.blocks)))
 
     def _local(self, reply: Reply, reason: str, detail: str) -> None:
         """A decode worker computes the request's prompt: logged and counted, once."""

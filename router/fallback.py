@@ -6,6 +6,9 @@ A fall-back no one can see is a slow decode batch no one can explain.
     prefix_cached      conditional disaggregation: the decode worker holds at   debug
                        least --local-prefill-hit of the prompt's blocks
     short_prompt       ... or lacks at most --local-prefill-tokens of it        debug
+    prefill_queue      ... or the prefill workers' queue is --local-prefill-     debug
+                       queue times its own
+    disaggregation_never  --disaggregation never: every prompt                 debug
     no_prefill_worker  no prefill worker is configured (or found)               debug
     prefill_down       prefill workers are known, none is up (down, draining,   warning
                        not polled yet)
@@ -33,7 +36,8 @@ from .registry import Registry, states
 
 log = logging.getLogger(__name__)
 
-DELIBERATE = frozenset({"prefix_cached", "short_prompt", "no_prefill_worker"})
+DELIBERATE = frozenset({"prefix_cached", "short_prompt", "prefill_queue",
+                        "disaggregation_never", "no_prefill_worker"})
 REASONS = DELIBERATE | {"prefill_down", "prefill_unpaired", "prefill_failed",
                         "decode_unpaired", "kv_pull_failed"}
 LOG_EVERY_S = 10.0

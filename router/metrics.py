@@ -77,9 +77,25 @@ class RouterMetrics:
         self.generation_tokens = Histogram("baton:request_generation_tokens",
                                            "Tokens streamed to the client", label,
                                            buckets=TOKEN_BUCKETS, registry=r)
+        # SLOs (--slo-ttft-ms, --slo-itl-ms): finished requests judged, and those that
+        # missed each (slo "ttft", "itl") or any.
+        self.slo_ttft_s = self.slo_itl_s = 0.0
+        self.slo_requests = Counter("baton:slo_requests", "Finished requests judged "
+                                    "against the SLOs", label, registry=r)
+        self.slo_misses = Counter("baton:slo_misses", "Finished requests past an SLO: "
+                                  "TTFT, mean time per output token after the first "
+                                  "(itl), or any", label + ["slo"], registry=r)
         # Requests in flight past their first token, and before it; tokens so far.
         self.running = self.waiting = self.prompt_total = self.generated_total = 0
         self.vllm = _VllmFigures(self) if vllm else None
+
+    def set_slos(self, ttft_ms: float, itl_ms: float) -> None:
+        self.slo_ttft_s, self.slo_itl_s = ttft_ms / 1000, itl_ms / 1000
+
+    def watch_roles(self, registry) -> None:
+        """Per role, at each scrape: the queue and the prompt tokens queued on its
+        workers that are up, as last polled (what a planner or autoscaler reads)."""
+        self.registry.register(_RoleFigures(self, registry))
 
     def labels(self, metric, **kw):
         return metric.labels(model_name=self.model, **kw)
@@ -113,12 +129,36 @@ class _VllmFigures(VllmRequestMetrics):
         return []  # collected fresh at each scrape
 
 
+class _RoleFigures:
+    def __init__(self, m: RouterMetrics, registry):
+        self.m, self.workers = m, registry
+
+    def collect(self):
+        label = ["model_name", "role"]
+        queue = GaugeMetricFamily("baton:role_queue_depth", "Requests waiting on the "
+                                  "workers of a role (their KV loading included)", labels=label)
+        tokens = GaugeMetricFamily("baton:role_queued_prefill_tokens", "Prompt tokens the "
+                                   "workers of a role have yet to compute", labels=label)
+        for role, workers in (("prefill", self.workers.prefill),
+                              ("decode", self.workers.decode)):
+            up = [w for w in workers if w.state == "up" and w.stats is not None]
+            queue.add_metric([self.m.model, role], sum(w.stats.num_waiting
+                                                       + w.stats.num_loading for w in up))
+            tokens.add_metric([self.m.model, role], sum(w.queued_prefill_tokens for w in up))
+        yield queue
+        yield tokens
+
+    def describe(self):
+        return []  # collected fresh at each scrape
+
+
 class RequestSeen:
     """One request's figures, from its replies as they pass the router: Baton's names
     and vLLM's, timed from its arrival at the front door. `end` exactly once."""
 
     def __init__(self, m: RouterMetrics, t0: float):
         self.m, self.t0, self.last = m, t0, None  # last: when its latest token came
+        self.first = 0.0  # when its first token came
         self.prompt_tokens = self.generated = 0
         self.outcome: FinishReason | None = None  # its finish reason, once streamed
         m.waiting += 1
@@ -131,6 +171,7 @@ class RequestSeen:
         m, v = self.m, self.m.vllm
         now, n, t = time.monotonic(), len(reply.delta.token_ids), reply.timings
         if n and self.last is None:  # the first token
+            self.first = now
             m.labels(m.ttft).observe(now - self.t0)
             m.labels(m.queue).observe(t.queue_s)
             m.labels(m.expected_cached).inc(t.expected_cached_blocks)
@@ -168,5 +209,19 @@ class RequestSeen:
             m.labels(m.generation_tokens).observe(self.generated)
             if v is not None:
                 v.finished(m.model, self.outcome, e2e, self.prompt_tokens, self.generated)
+            self._judge()
         else:  # an error, or the caller left (CANCELLED)
             m.labels(m.failure, code=error or "CANCELLED").inc()
+
+    def _judge(self) -> None:
+        """A finished request against the SLOs, where the router was given any."""
+        m = self.m
+        if not (m.slo_ttft_s or m.slo_itl_s) or self.last is None:
+            return
+        tpot = (self.last - self.first) / (self.generated - 1) if self.generated > 1 else 0.0
+        missed = [slo for slo, took, limit in (("ttft", self.first - self.t0, m.slo_ttft_s),
+                                               ("itl", tpot, m.slo_itl_s))
+                  if limit and took > limit]
+        m.labels(m.slo_requests).inc()
+        for slo in missed + (["any"] if missed else []):
+            m.labels(m.slo_misses, slo=slo).inc()

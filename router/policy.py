@@ -17,10 +17,20 @@ each block of that tier run counted by the medium its engine would load it from.
 With kv_weight 0 this is load-only routing. The lowest cost wins; the defaults are
 measured on W4 (docs/benchmarks.md).
 
-Conditional disaggregation: the decode worker chosen for a prompt computes it itself
-(no prefill worker, no KV moved) when what it lacks is at most `local_prefill_tokens`,
-or its KV events say it holds at least `local_prefill_hit` of the blocks it could reuse
-(0: never).
+Where a prompt is computed (`disaggregation`): "always" on a prefill worker (a decode
+worker only when none can: router/fallback.py's faults), "never" on the decode worker
+that streams it, and "auto" per prompt (conditional disaggregation): the decode worker
+chosen for it computes it itself (no prefill worker, no KV moved) when
+
+    short_prompt   what it lacks of the prompt is at most `local_prefill_tokens`
+    prefix_cached  its KV events say it holds at least `local_prefill_hit` of the blocks
+                   it could reuse
+    prefill_queue  the least loaded prefill worker's queued prompt tokens (with this
+                   prompt's) exceed `local_prefill_queue` times the decode worker's (with
+                   this prompt's): the prompt would wait longer there than the decode
+                   worker's own streams lose to computing it
+
+The defaults come from the goodput benchmark's sweep (docs/benchmarks.md, issue 53).
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ from .kv_index import PromptBlocks
 # raise both there. Not yet measured on Baton.
 HOST_WEIGHT = 0.5
 DISK_WEIGHT = 0.25
+DISAGGREGATION = ("auto", "always", "never")
+LOCAL_PREFILL_TOKENS = 0  # set from measurement (issue 53)
+LOCAL_PREFILL_QUEUE = 0.0  # set from measurement (issue 53)
 
 
 @dataclass(frozen=True)
@@ -48,8 +61,10 @@ class Policy:
     load_weight: float = 64.0
     host_weight: float = HOST_WEIGHT
     disk_weight: float = DISK_WEIGHT
-    local_prefill_tokens: int = 0
+    disaggregation: str = "auto"
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
     local_prefill_hit: float = 0.9
+    local_prefill_queue: float = LOCAL_PREFILL_QUEUE
 
     @property
     def uses_kv(self) -> bool:
@@ -87,19 +102,29 @@ class Policy:
                                and not _serves(worker, prompt.lora))
         return kv + self.load_weight * load
 
-    def local_prefill(self, worker, prompt: PromptBlocks) -> str | None:
-        """Why decode worker `worker` should compute `prompt` itself ("short_prompt",
-        "prefix_cached"), or None. Confirmed blocks only: a prefix merely predicted there
-        may still be on its way (pulled for the request routed just before), and a decode
-        worker must not compute a whole prompt on a guess."""
+    def local_prefill(self, worker, prompt: PromptBlocks, prefills: list) -> str | None:
+        """Why decode worker `worker` should compute `prompt` itself rather than one of
+        `prefills` (the prefill workers up), by `disaggregation`; None: a prefill worker
+        computes it. Confirmed blocks only: a prefix merely predicted there may still be
+        on its way (pulled for the request routed just before), and a decode worker must
+        not compute a whole prompt on a guess."""
+        if self.disaggregation == "never":
+            return "disaggregation_never"
+        if self.disaggregation == "always" or not prefills:
+            return None
         bs = worker.index.block_size
         held = self.matched(worker, prompt, confirmed=True)
-        if self.local_prefill_tokens and \
-                len(prompt.token_ids) - held * bs <= self.local_prefill_tokens:
+        lacks = len(prompt.token_ids) - held * bs
+        if self.local_prefill_tokens and lacks <= self.local_prefill_tokens:
             return "short_prompt"
-        if not self.local_prefill_hit or not bs or not prompt.reusable(bs):
-            return None
-        return "prefix_cached" if held >= self.local_prefill_hit * prompt.reusable(bs) else None
+        if self.local_prefill_hit and bs and prompt.reusable(bs) and \
+                held >= self.local_prefill_hit * prompt.reusable(bs):
+            return "prefix_cached"
+        if self.local_prefill_queue:
+            there = min(p.queued_prefill_tokens + self.uncached(p, prompt) for p in prefills)
+            if there > self.local_prefill_queue * (worker.queued_prefill_tokens + lacks):
+                return "prefill_queue"
+        return None
 
 
 def _serves(worker, lora: str) -> bool:

@@ -19,11 +19,9 @@ a handshake began) rather than having its prompt computed on a decode worker. On
 router has been ready, pairing never makes it not ready again: its decode workers serve
 meanwhile.
 
-Load score, as vLLM's data-parallel balancer: waiting * 4 + running, from each worker's
-last stats, plus the requests routed to it since (counted as waiting), so a burst between
-two polls spreads out. Both prefill and decode picks count. Each poll also brings the
-worker's KV events into its prefix index; picks weigh cached prefix against load
-(policy.py).
+A worker's load (worker.py: its last stats plus what was routed to it since) counts in
+both prefill and decode picks. Each poll also brings the worker's KV events into its
+prefix index; picks weigh cached prefix against load (policy.py).
 
 Workers come from fixed addresses or from DNS names (discovery.py), resolved again every
 `discovery_interval` seconds: new addresses join (polled, then paired), vanished ones are
@@ -40,15 +38,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-
-from baton.worker.v1 import worker_pb2 as wk
 
 from .clients import WorkerClient, WorkerError
 from .config import RouterConfig
 from .discovery import Target, resolve
-from .kv_index import PrefixIndex, PromptBlocks
+from .kv_index import PromptBlocks
 from .policy import Policy
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -56,31 +52,6 @@ log = logging.getLogger(__name__)
 # with a first transfer that sets the connection up (about half a second, more on a
 # loaded host); one that runs longer has the requests after it fall back meanwhile.
 PAIRING_WAIT_S = 3.0
-
-
-@dataclass
-class Worker:
-    address: str
-    role: str
-    client: WorkerClient
-    state: str = "unknown"  # "unknown" until its first poll, then up / draining / down
-    stats: wk.GetStatsResponse | None = None
-    last_seen: float = 0.0  # monotonic time of the last answered poll
-    routed: int = 0  # requests sent since the last stats poll
-    pairs: dict[str, str | None] = field(default_factory=dict)  # prefill engine id -> error
-    index: PrefixIndex = field(default_factory=PrefixIndex)  # its prefix cache, as known
-    kv_events: bool = True  # it answers GetKvEvents
-    target: str = ""  # the --prefill/--decode value that found it ("": given as a client)
-
-    @property
-    def engine_id(self) -> str | None:
-        return self.stats.engine_id if self.stats is not None else None
-
-    @property
-    def score(self) -> int:
-        s = self.stats
-        waiting = (s.num_waiting + s.num_loading if s else 0) + self.routed
-        return waiting * 4 + (s.num_running if s else 0)
 
 
 class Registry:
@@ -281,7 +252,8 @@ class Registry:
         came = state != w.state or stats.engine_id != w.engine_id  # up anew, or restarted
         if state != w.state:
             log.info("%s worker %s is %s (%s)", w.role, w.address, state, stats.engine_id)
-        w.stats, w.state, w.last_seen, w.routed = stats, state, time.monotonic(), 0
+        w.stats, w.state, w.last_seen = stats, state, time.monotonic()
+        w.routed = w.routed_tokens = 0
         if came and state == "up":
             self._pair()  # now: a request may come before this round of polls ends
         if w.kv_events and self.policy.uses_kv:
@@ -368,10 +340,11 @@ class Registry:
         """The decode worker that should compute `prompt` itself (conditional
         disaggregation), if the cheapest one for it holds enough of it, and why."""
         decodes = [d for d in self.decode if d.state == "up"]
-        if not decodes or not self.prefills():
+        prefills = self.prefills()
+        if not decodes or not (prefills or self.policy.disaggregation == "never"):
             return None, None  # without a prefill worker, the decode pick decides anyway
         best = min(decodes, key=lambda w: self.policy.cost(w, prompt))
-        why = self.policy.local_prefill(best, prompt)
+        why = self.policy.local_prefill(best, prompt, prefills)
         return (best if why else None), why
 
     def pick_decode(self, engine_id: str | None, exclude: AbstractSet[str] = frozenset(),

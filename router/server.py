@@ -129,9 +129,11 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
                                                                         max_model_len),
         method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
     lifecycle.parse_pool = intake.parse_pool
+    metrics = RouterMetrics(config.served_model_name or "", vllm=vllm_metrics)
+    metrics.set_slos(config.slo_ttft_ms, config.slo_itl_ms)
+    metrics.watch_roles(registry)
     return Router(registry, intake, config.max_inflight, config.request_timeout,
-                  RouterMetrics(config.served_model_name or "", vllm=vllm_metrics),
-                  config.served_model_name,
+                  metrics, config.served_model_name,
                   config.shared_prefix_cache,
                   RouterLoras(config.enable_lora, config.lora_modules,
                               config.allow_runtime_lora_updating, config.lora_root),

@@ -81,6 +81,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     die_after: int | None = None  # decode: fail (UNAVAILABLE) after this many messages
     die_before_finish: bool = False  # decode: stream the last token, then fail, no finish
     token_delay_s: float = 0.0
+    queued_prefill_tokens: int = 0  # what its stats say it has yet to compute
     connect_error: str | None = None  # decode: every handshake fails with this
     connect_hangs: bool = False  # decode: handshakes never answer
     connects: int = 0  # decode: handshakes asked of it
@@ -253,6 +254,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         return wk.GetStatsResponse(
             engine_id=self.engine_id, role=self.role, draining=self.draining,
             num_running=self.active, num_leases=len(self.leases),
+            num_queued_prefill_tokens=self.queued_prefill_tokens,
             engine_stalled_since=self.stalled_since,
             model_info=gen.ModelInfo(model="fake", max_model_len=MAX_LEN, vocab_size=VOCAB,
                                      block_size=16, dtype="float32"))
@@ -347,7 +349,8 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     router_kw.setdefault("poll_interval", 0.05)
     router_kw.setdefault("worker_timeout", 0.5)
     # Every request disaggregated, unless a test asks for conditional disaggregation.
-    router_kw.setdefault("local_prefill_hit", 0.0)
+    for name in ("local_prefill_hit", "local_prefill_tokens", "local_prefill_queue"):
+        router_kw.setdefault(name, 0)
     config = RouterConfig(prefill=tuple(w.address for w in workers[:prefills]),
                           decode=tuple(w.address for w in workers[prefills:]),
                           model=str(tokenizer_model), http_port=0, **router_kw)

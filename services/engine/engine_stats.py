@@ -25,8 +25,16 @@ def engine_stats(engine: Any) -> EngineStats:
         prefix_cache_queries=engine.kv.num_queries, prefix_cache_hits=engine.kv.num_hits,
         num_prompt_tokens=s.num_prompt_tokens,
         num_generation_tokens=s.num_generation_tokens,
+        num_queued_prefill_tokens=queued_prefill_tokens(s),
         num_spec_drafts=spec.num_drafts if spec else 0,
         num_spec_draft_tokens=spec.num_draft_tokens if spec else 0,
         num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         loras=tuple(engine.loras.names()),
         kv_offload=tuple(sorted(conns.get("offload", {}).items())))
+
+
+def queued_prefill_tokens(scheduler: Any) -> int:
+    """Prompt tokens not computed yet, over the requests waiting and running (a request
+    whose KV is still loading counts what the load will not bring: none, once it lands)."""
+    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+               for queue in (scheduler.waiting, scheduler.running) for r in queue)

@@ -80,6 +80,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which found cached
     num_prompt_tokens: int = 0  # prompt tokens computed here, since start
     num_generation_tokens: int = 0  # tokens sampled here, since start
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests to compute
     # Speculative decoding, since start: requests-steps that carried drafts, the draft
     # tokens proposed, and those accepted. Acceptance rate = accepted / draft tokens;
     # mean accepted length = 1 + accepted / drafts (tokens per verified step).

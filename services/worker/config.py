@@ -16,7 +16,8 @@ class WorkerConfig:
     engine_id: str = ""  # unique per process start: the CLI adds a random suffix
     kv_transport: str | None = None  # "nixl" or "grpc"; the CLI picks NIXL when it loads
     max_queue: int | None = None  # waiting requests; default 4 x max_num_seqs
-    threads: int | None = None  # torch intra-op threads; default torch's choice
+    threads: int | None = None  # torch intra-op threads; default torch's choice, or len(cpus)
+    cpus: str | None = None  # the cores it runs on, as taskset lists them ("0", "2-3,6")
     inject_kv_failure: str | None = None  # test hook: every KV pull fails with this
     # A step (or call) on the engine thread that has not ended after this many seconds
     # means a hung kernel or a stuck lock: health NOT_SERVING until it ends. Long enough
@@ -42,6 +43,13 @@ class WorkerConfig:
                              f"{self.engine_stall_timeout!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)  # ValueError now, not once the model has loaded
+
+    @property
+    def cpu_set(self) -> set[int] | None:
+        """`cpus` as a set of core numbers; None where unset."""
+        return None if self.cpus is None else parse_cpus(self.cpus)
 
     def check_cluster_auth(self) -> None:
         """For a prefill or decode worker (the colocated role has no cluster): ValueError
@@ -61,3 +69,15 @@ class WorkerConfig:
     @property
     def max_waiting(self) -> int:
         return self.max_queue if self.max_queue is not None else 4 * self.engine.max_num_seqs
+
+
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as taskset and /sys write it ("0", "2-3", "0,4-6") -> its cores;
+    ValueError naming the list where it does not parse."""
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or int(high or low) < int(low):
+            raise ValueError(f"cpus {text!r}: want a list such as 0, 2-3 or 0,4-5")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores

@@ -21,6 +21,9 @@ GAUGES = {  # name: (help, from the stats snapshot)
                                    lambda s, _: s.num_waiting),
     "baton:num_requests_loading": ("Decode: requests whose KV is being pulled",
                                    lambda s, _: s.num_loading),
+    "baton:num_queued_prefill_tokens": (
+        "Prompt tokens of waiting and running requests not computed yet",
+        lambda s, _: s.num_queued_prefill_tokens),
     "baton:kv_cache_usage_perc": ("KV cache usage (1 = full)",
                                   lambda s, _: 1 - s.num_free_blocks / max(1, s.num_blocks)),
     "baton:kv_leases": ("Prefill: requests whose KV is held for a decode worker",

@@ -32,10 +32,14 @@ log = logging.getLogger(__name__)
 
 
 def make_engine(config: EngineConfig, threads: int | None,
-                kv_receiver: ReceiverFactory | None = None, role: str = "") -> LLMEngine:
+                kv_receiver: ReceiverFactory | None = None, role: str = "",
+                cpus: set[int] | None = None) -> LLMEngine:
     if role and config.kv_role not in (None, role):  # --kv-transfer-config's kv_role
         raise ValueError(f"kv_transfer_config.kv_role says a {config.kv_role} worker; "
                          f"this one is a {role} worker")
+    if cpus:
+        pin(cpus)
+        threads = threads or len(cpus)
     if threads:
         import torch
 
@@ -44,6 +48,17 @@ def make_engine(config: EngineConfig, threads: int | None,
         run_node(config)
         raise SystemExit(0)
     return LLMEngine(config, kv_receiver=kv_receiver)
+
+
+def pin(cpus: set[int]) -> None:
+    """This process's threads onto `cpus`: those running now, and (inherited) every thread
+    and tensor-parallel rank started later. ValueError naming cores it may not use."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
+    except OSError as e:
+        raise ValueError(f"cpus {sorted(cpus)}: this process may run on "
+                         f"{sorted(os.sched_getaffinity(0))} only ({e.strerror})") from None
 
 
 RANK_DEATH_GRACE_S = 2.0  # NOT_SERVING and every request failed, then the worker stops
