@@ -6,6 +6,8 @@
     baton up                                               router + prefill + decode locally
     baton generate "prompt"                                stream a completion to stdout
     baton health ADDRESS                                   exit 0 if it answers SERVING
+    baton bench goodput ...                                goodput at an SLO over request
+                                                           rates (tools/bench/goodput.py)
 
 Every flag of `serve` and `up` has a BATON_* variable (cli/flags.py). A role's modules
 load only when it runs, so the router never loads the engine (or torch).
@@ -25,6 +27,7 @@ from .exposure import warn_if_open
 from .flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
 DEFAULT_ROLE = "colocated"  # `baton serve MODEL`, as `vllm serve MODEL`
+BENCHMARKS = ("goodput",)  # `baton bench NAME`: baton.tools.bench.NAME's main(argv)
 
 
 def _role_in(argv: list[str]) -> str | None:
@@ -147,6 +150,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     health.add_argument("address")
     for name in ("ca", "cert", "key"):  # a worker with mutual TLS wants a certificate
         health.add_argument(f"--tls-{name}", default=os.environ.get(f"BATON_TLS_{name.upper()}"))
+    bench = sub.add_parser("bench", help="a benchmark (goodput: see `baton bench goodput "
+                           "--help`)", add_help=False)
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    if command == "bench":  # the benchmark parses the rest itself
+        args, rest = parser.parse_known_args(argv)
+        args.rest = rest
+        return args, []
     args = parser.parse_args(argv)
     if command == "serve" and args.model_tag:  # `baton serve MODEL`: MODEL is --model
         if args.model not in (None, args.model_tag):
@@ -162,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         _serve(args, flags)
     elif args.command == "up":
         up.up(args, flags)
+    elif args.command == "bench":
+        from importlib import import_module
+
+        import_module(f"baton.tools.bench.{args.benchmark}").main(args.rest)
     elif args.command == "health":
         from baton.services.rpc.processes import is_serving
         from baton.services.rpc.security import client_credentials

@@ -1,0 +1,38 @@
+"""`baton bench goodput` end to end, a few seconds on the tiny model: it starts a P/D
+topology pinned to the cores, sends an open-loop load through the OpenAI API, and writes
+vLLM's result fields and the plots; its figures agree with its own per-request data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.e2e.topology import ROOT
+
+
+def test_the_goodput_benchmark_runs_and_its_result_adds_up(tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "goodput", "--workload", "w3",
+           "--topology", "pd", "--model", str(tiny_model), "--dtype", "float32",
+           "--kv-cache-gib", "0.05", "--num-prompts", "6", "--seeds", "0", "1",
+           "--request-rate", "8", "--goodput", "ttft:60000", "e2el:1", "--result-dir",
+           str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "pd         rate  8.00/s  done   12/12" in done.stdout, done.stdout
+    (path,) = tmp_path.glob("goodput-w3-*.json")
+    run = json.loads(path.read_text())["runs"][0]
+    assert run["completed"] == 12 and run["failed"] == 0 and run["request_rate"] == 8
+    assert run["output_lens"] == [16] * 12  # W3: 16 tokens each, ignore_eos
+    # e2el <= 1 ms is met by nobody: goodput and attainment 0, whatever the throughput.
+    assert run["request_goodput"] == 0 and run["slo_attainment"] == 0
+    assert run["request_throughput"] == pytest.approx(12 / run["duration"])
+    ttfts = np.asarray(run["ttfts"]) * 1000
+    assert run["p90_ttft_ms"] == pytest.approx(np.percentile(ttfts, 90))
+    itls = np.concatenate([np.asarray(x) for x in run["itls"]]) * 1000
+    assert run["median_itl_ms"] == pytest.approx(np.median(itls))
+    assert sorted(p.name.rsplit("-", 1)[1] for p in tmp_path.glob("*.png")) == \
+        ["cdf.png", "goodput.png"]

@@ -1,0 +1,229 @@
+"""Goodput at an SLO: open-loop load through Baton's public API at a sweep of request
+rates, for topologies it starts on the same cores (goodput_topology.py) or a server it is
+given, with vLLM's `bench serve --goodput` arithmetic (goodput_stats.py).
+
+    python -m baton.tools.bench.goodput --workload chat --topology pd decode2 colocated \\
+        --goodput ttft:3000 tpot:100 --request-rate 0.5 1 2 [--seeds 0 1]
+    python -m baton.tools.bench.goodput ... --find-max-rate [--attainment 0.9]
+    python -m baton.tools.bench.goodput --base-url http://host:8000 ...   (a running server)
+    baton bench goodput ...                                               (the same)
+
+Per topology and rate it prints P50/P90/P99 of TTFT, TPOT, ITL and E2EL, the request
+throughput, goodput and SLO attainment (over every seed's requests); with
+--find-max-rate, the highest rate whose attainment is at least --attainment (doubling from
+--rate-start until a rate fails, then bisecting). With --result-dir: one JSON file per
+run (vLLM's field names) and PNG plots (goodput_plots.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from .goodput_load import WORKLOADS, Job, arrivals, jobs, run
+from .goodput_stats import PERCENTILES, parse_slos, summarize
+from .goodput_topology import TOPOLOGIES, cpu_seconds, started
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="baton bench goodput",
+                                 description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--workload", choices=WORKLOADS, default="chat")
+    ap.add_argument("--topology", nargs="+", choices=TOPOLOGIES, default=["pd"])
+    ap.add_argument("--base-url", help="a running server's OpenAI API (no topology started)")
+    ap.add_argument("--address", help="a running router's gRPC address (with --api grpc)")
+    ap.add_argument("--api", choices=("openai", "grpc"), default="openai")
+    ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--find-max-rate", action="store_true")
+    ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--rate-start", type=float, default=0.5)
+    ap.add_argument("--bisections", type=int, default=3)
+    ap.add_argument("--burstiness", type=float, default=1.0)
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
+                    help="SLOs, vLLM's form: ttft:MS tpot:MS e2el:MS")
+    ap.add_argument("--result-dir", type=Path)
+    ap.add_argument("--model", help="for every worker and the router (default: the "
+                    "default model; longdoc: a tiny long-context one)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-gib", default="1")
+    ap.add_argument("--max-num-batched-tokens", help="the workers' step budget (default: "
+                    "the engine's)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep the workers' prefix caches on (off by default: the "
+                    "workloads' random prompts share no prefix, and a cache would only "
+                    "hit on this run's own repeats, as the same seed at another rate)")
+    ap.add_argument("--worker-flag", action="append", default=[],
+                    help="one more flag for every worker (repeat), e.g. --worker-flag=--x=1")
+    ap.add_argument("--router-flag", action="append", default=[])
+    args = ap.parse_args(argv)
+    args.slos = parse_slos(args.goodput)
+    if args.find_max_rate and not args.slos:
+        ap.error("--find-max-rate needs --goodput")
+    return args
+
+
+def measure(target: str, api: str, args, rate: float, vocab: int, progress,
+            router_pid: int | None = None) -> dict:
+    """One rate: every seed's requests (each its own open-loop run), pooled; and the
+    router's CPU time per output token, where it runs apart."""
+    timings = []
+    cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    for seed in args.seeds:
+        work = jobs(args.workload, args.num_prompts, seed, vocab)
+        times = arrivals(len(work), rate, args.burstiness, seed)
+        timings += asyncio.run(run(work, times, api, target, progress))
+    result = summarize(timings, args.slos)
+    if router_pid:
+        result["router_cpu_ms_per_token"] = 1000 * (cpu_seconds(router_pid) - cpu0) / max(
+            1, result["total_output_tokens"])
+    result.update(request_rate=rate, burstiness=args.burstiness, seeds=args.seeds,
+                  num_prompts=args.num_prompts * len(args.seeds), workload=args.workload)
+    return result
+
+
+def line(topology: str, r: dict) -> str:
+    cols = [f"{topology:<10} rate {r['request_rate']:5.2f}/s",
+            f"done {r['completed']:4d}/{r['num_prompts']}",
+            f"thru {r['request_throughput']:5.2f}/s"]
+    if r["request_goodput"] is not None:
+        cols += [f"goodput {r['request_goodput']:5.2f}/s",
+                 f"attain {100 * r['slo_attainment']:5.1f}%"]
+    for name in ("ttft", "tpot", "itl"):
+        cols.append(f"{name.upper()} " + "/".join(
+            f"{r[f'p{p}_{name}_ms']:.0f}" for p in PERCENTILES) + " ms")
+    cols.append(f"1st ITL {r['mean_first_itl_ms']:.0f} ms")
+    if r.get("mean_kv_transfer_ms"):
+        cols.append(f"KV pull {r['mean_kv_transfer_ms']:.1f} ms")
+    if "router_cpu_ms_per_token" in r:
+        cols.append(f"router {r['router_cpu_ms_per_token']:.2f} ms/token")
+    return "  ".join(cols)
+
+
+def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
+          router_pid: int | None = None) -> dict | None:
+    """Each rate given, or the search for the highest rate at the attainment; the
+    best passing result (with --find-max-rate)."""
+    from tqdm import tqdm
+
+    def point(rate: float) -> dict:
+        with tqdm(total=args.num_prompts * len(args.seeds), leave=False,
+                  desc=f"{topology} @ {rate:.2f}/s") as bar:
+            r = measure(target, api, args, rate, vocab, bar, router_pid)
+        r["topology"] = topology
+        out.append(r)
+        print(line(topology, r), flush=True)
+        if args.result_dir:  # after every point: a long sweep cut short keeps its points
+            save(args, out, {}, plots=False)
+        return r
+
+    # Every decode batch size and many prompt shapes seen once before measuring, through
+    # the API measured (oneDNN builds a kernel per new shape): a burst, seeded apart.
+    warm = [Job(j.prompt, 16) for j in jobs(args.workload, 32, 10_000, vocab)]
+    asyncio.run(run(warm, [0.0] * len(warm), api, target))
+    if not args.find_max_rate:
+        for rate in args.request_rate:
+            point(rate)
+        return None
+    passes = lambda r: r["slo_attainment"] >= args.attainment  # noqa: E731
+    good, bad, rate = None, None, args.rate_start
+    while bad is None:
+        r = point(rate)
+        if passes(r):
+            good, rate = r, rate * 2
+        else:
+            bad = rate
+            if good is None:  # fails at the start: halve down to a pass (or give up)
+                bad, rate = None, rate / 2
+                if rate < args.rate_start / 16:
+                    return None
+    for _ in range(args.bisections):
+        rate = (good["request_rate"] + bad) / 2 if good is not None else bad / 2
+        r = point(rate)
+        if passes(r):
+            good = r
+        else:
+            bad = rate
+    print(f"{topology}: highest rate at {100 * args.attainment:.0f}% attainment: "
+          f"{good['request_rate']:.2f}/s" if good else f"{topology}: no rate passed",
+          flush=True)
+    return good
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from .machine import cpu_line
+
+    print(cpu_line(), flush=True)
+    print(f"workload {args.workload}, {args.num_prompts} requests x seeds {args.seeds}, "
+          f"burstiness {args.burstiness}, SLOs {args.goodput}", flush=True)
+    vocab, worker_flags, router_flags, scratch = model_flags(args)
+    results: list[dict] = []
+    best: dict[str, dict | None] = {}
+    try:
+        if args.base_url or args.address:
+            target = args.base_url if args.api == "openai" else args.address
+            best["given"] = sweep("given", target, args.api, args, vocab, results)
+        for topology in ([] if args.base_url or args.address else args.topology):
+            with started(topology, worker_flags, router_flags) as served:
+                target = served.http if args.api == "openai" else served.grpc
+                best[topology] = sweep(topology, target, args.api, args, vocab, results,
+                                       served.router_pid)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+    if args.find_max_rate:
+        for topology, r in best.items():
+            print(f"best {topology:<10}: " + (line(topology, r) if r else "none"))
+    if args.result_dir:
+        save(args, results, best)
+
+
+def model_flags(args) -> tuple[int, list[str], list[str], tempfile.TemporaryDirectory | None]:
+    """(vocabulary, worker flags, router flags, a folder to remove): the default model,
+    or for longdoc the tiny long-context one (pd_ttft.py's)."""
+    budget = ["--max-num-batched-tokens", args.max_num_batched_tokens] \
+        if args.max_num_batched_tokens else []
+    common = ["--dtype", args.dtype, "--kv-cache-gib", args.kv_cache_gib, *budget,
+              "--enable-prefix-caching" if args.prefix_caching
+              else "--no-enable-prefix-caching", *args.worker_flag]
+    if args.model:  # an HF folder: its config's vocabulary (a .gguf: the default's)
+        config = Path(args.model) / "config.json"
+        vocab = json.loads(config.read_text())["vocab_size"] if config.is_file() else 49152
+        model = ["--model", args.model]
+        return vocab, [*model, *common], [*model, *args.router_flag], None
+    if args.workload != "longdoc":
+        return 49152, common, list(args.router_flag), None
+    from .pd_ttft import tiny_long_model
+
+    scratch = tempfile.TemporaryDirectory(prefix="baton-goodput-")
+    model = tiny_long_model(scratch.name)
+    return 49152, [*model, *common], ["--tokenizer", model[3], *args.router_flag], scratch
+
+
+def save(args, results: list[dict], best: dict, plots: bool = True) -> None:
+    """The run's JSON (rewritten as points come) and, at the end, its plots."""
+    from .goodput_plots import plot
+
+    args.result_dir.mkdir(parents=True, exist_ok=True)
+    stamp = args.__dict__.setdefault("stamp", time.strftime("%Y%m%d-%H%M%S"))
+    path = args.result_dir / f"goodput-{args.workload}-{stamp}.json"
+    path.write_text(json.dumps({"workload": args.workload, "slos_ms": args.goodput,
+                                "attainment": args.attainment, "cpu": os.cpu_count(),
+                                "best": {k: v and v["request_rate"] for k, v in best.items()},
+                                "runs": results}))
+    if not plots:
+        return
+    for png in plot(results, args, args.result_dir / f"goodput-{args.workload}-{stamp}"):
+        print(f"wrote {png}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
