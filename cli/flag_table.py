@@ -227,7 +227,7 @@ FLAGS: list[Flag] = [
        kind=float),
     _f("local-prefill-queue", ("router",), "router.local_prefill_queue",
        "... or when the prefill workers' queued prompt tokens exceed the decode worker's "
-       "by this many times (0: never)", kind=float),
+       "by this many times (1 + its running streams) (0: never)", kind=float),
     _f("slo-ttft-ms", ("router",), "router.slo_ttft_ms",
        "a time-to-first-token target: requests past it are counted "
        "(baton:slo_misses_total{slo=\"ttft\"}; 0: none)", kind=float),

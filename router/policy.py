@@ -26,9 +26,10 @@ chosen for it computes it itself (no prefill worker, no KV moved) when
     prefix_cached  its KV events say it holds at least `local_prefill_hit` of the blocks
                    it could reuse
     prefill_queue  the least loaded prefill worker's queued prompt tokens (with this
-                   prompt's) exceed `local_prefill_queue` times the decode worker's (with
-                   this prompt's): the prompt would wait longer there than the decode
-                   worker's own streams lose to computing it
+                   prompt's) exceed `local_prefill_queue` x (1 + its streams) times the
+                   decode worker's (with this prompt's): the prompt would wait longer
+                   there than it and the decode worker's running streams, each stalled
+                   while it computes, lose to computing it here
 
 The defaults come from the goodput benchmark's sweep (docs/benchmarks.md, issue 53).
 """
@@ -51,8 +52,8 @@ from .kv_index import PromptBlocks
 HOST_WEIGHT = 0.5
 DISK_WEIGHT = 0.25
 DISAGGREGATION = ("auto", "always", "never")
-LOCAL_PREFILL_TOKENS = 0  # set from measurement (issue 53)
-LOCAL_PREFILL_QUEUE = 0.0  # set from measurement (issue 53)
+LOCAL_PREFILL_TOKENS = 32  # docs/benchmarks.md, issue 53
+LOCAL_PREFILL_QUEUE = 1.0  # docs/benchmarks.md, issue 53
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,13 @@ class Policy:
                 held >= self.local_prefill_hit * prompt.reusable(bs):
             return "prefix_cached"
         if self.local_prefill_queue:
+            # Tokens of prefill ahead of the prompt, itself included, there and here; here
+            # also stalls each stream the decode worker runs for as long as it computes,
+            # so each of those weighs as much as the prompt's own wait.
             there = min(p.queued_prefill_tokens + self.uncached(p, prompt) for p in prefills)
-            if there > self.local_prefill_queue * (worker.queued_prefill_tokens + lacks):
+            here = worker.queued_prefill_tokens + lacks
+            streams = (worker.stats.num_running if worker.stats else 0) + worker.routed
+            if there > self.local_prefill_queue * (1 + streams) * here:
                 return "prefill_queue"
         return None
 

@@ -77,10 +77,14 @@ class Topology:
         address = f"{host}:{port}"
         if "--model" not in flags:
             flags = (*flags, "--model", self.model)
-        if role == "router" and "--local-prefill-hit" not in flags:
+        if role == "router":
             # These tests check the mechanics of disaggregation: every request goes
-            # through a prefill worker. Conditional disaggregation has its own tests.
-            flags = (*flags, "--local-prefill-hit", "0")
+            # through a prefill worker. Conditional disaggregation has its own tests
+            # (each sets the rule it checks).
+            for rule in ("--local-prefill-hit", "--local-prefill-tokens",
+                         "--local-prefill-queue"):
+                if rule not in flags:
+                    flags = (*flags, rule, "0")
         if role in ("router", "colocated") and "--http-port" not in flags:
             http = free_port()
             flags = (*flags, "--http-port", str(http))

@@ -1,6 +1,7 @@
 """Where the router computes each prompt (--disaggregation, router/policy.py): `never` on
 the decode worker, `always` on a prefill worker however short, `auto` on the decode
-worker only for a short prompt or when the prefill workers' queue is longer; each choice
+worker only for a short prompt or when the prefill workers' queue is the longer by more
+than computing it would stall the decode worker's streams; each choice
 counted with its reason. And what a planner reads: each role's queue and queued prompt
 tokens, and the requests past the SLOs the router was given."""
 
@@ -13,6 +14,7 @@ from tests.router_fakes import PROMPT, cluster, expected, tokens
 
 LONG = list(range(1, 200))  # 199 tokens
 OTHER = list(range(300, 499))  # 199 more, none cached with LONG
+THIRD = list(range(600, 799))  # and 199 more
 
 
 def sample(c, name: str, **labels) -> float:
@@ -76,6 +78,13 @@ def test_auto_computes_locally_while_the_prefill_queue_is_the_longer(tok):
             await polled(c)
             assert not (await c.generate(OTHER, 4))[-1].timings.local_prefill
             assert len(p.prefills) == 1
+            # Queues as at first, but the decode worker runs a stream, which computing the
+            # prompt there would stall: 998 x (1 + 1) > 1,199, the prefill worker.
+            d.queued_prefill_tokens, d.active = 300, 1
+            await polled(c)
+            assert not (await c.generate(THIRD, 4))[-1].timings.local_prefill
+            assert len(p.prefills) == 2
+            d.active, d.queued_prefill_tokens = 0, 500
             # Each role's queue as the planner reads it, from the last polls.
             await polled(c)
             assert sample(c, "baton:role_queued_prefill_tokens", role="prefill") == 1000
