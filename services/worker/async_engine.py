@@ -51,6 +51,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue,
                                       threading.Event]] = {}
         self._stopped = False
+        self._admitting = 0  # admits queued for the engine thread, not yet answered
         # Called as each request arrives; what it returns sees each of its outputs
         # (metrics: vllm_metrics.py). None: nothing watches.
         self.observer: Callable[[], Callable[[RequestOutput], None]] | None = None
@@ -110,8 +111,15 @@ class AsyncEngine:
             if admitted.is_set():
                 engine.abort_request(request_id)
 
+        queued = False  # False: refused before the engine thread saw it
         try:
-            await self.call(admit)
+            self._reserve()
+            queued = True
+            try:
+                await self.call(admit)
+            finally:
+                with self._lock:
+                    self._admitting -= 1
             while True:
                 out = await queue.get()
                 if watch is not None:
@@ -123,11 +131,25 @@ class AsyncEngine:
         finally:
             if self._queues.get(request_id) is entry:
                 del self._queues[request_id]
-            if not finished:
+            if not finished and queued:
                 try:
                     await asyncio.shield(self.call(abort_if_admitted))
                 except RuntimeError:  # the engine stopped: nothing left to abort
                     pass
+
+    def _reserve(self) -> None:
+        """A place for one more admit, or Overloaded at once when the queue is full: its
+        waiting requests as of the last step (or admit) plus the admits queued since.
+        The engine thread checks again when it admits (the bound holds whatever the race),
+        but a step can take seconds, and a full queue must not wait for it to say so. A
+        request counts twice between its admit and its answer: refused, never let in."""
+        with self._lock:
+            if self.max_waiting is not None and \
+                    self.stats.num_waiting + self._admitting >= self.max_waiting:
+                raise Overloaded(f"worker at capacity: {self.stats.num_waiting} requests "
+                                 f"waiting and {self._admitting} arriving "
+                                 f"(limit {self.max_waiting})")
+            self._admitting += 1
 
     def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
         """End a lease at once, without waiting for the step in progress (the decode

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -141,6 +142,51 @@ def test_full_queue_refuses_at_once(aengine):
             asyncio.run(main())
     finally:
         aengine.max_waiting = None
+    assert not aengine.engine.has_unfinished_requests()
+
+
+def test_a_full_queue_refuses_at_once_while_a_step_runs(aengine):
+    """--max-queue while the engine thread is inside a step (held open here, as a long
+    prompt's step on a slow CPU holds it for seconds): a request past the bound is refused
+    within 100 ms, not when the step ends; those within it are admitted after the step."""
+    from baton.services.rpc.errors import Overloaded
+
+    engine, held, release = aengine.engine, threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step():
+        held.set()
+        release.wait(30)
+        return real_step()
+
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def one(rid: str) -> list:
+        return [o async for o in aengine.generate(
+            rid, lambda e: e.add_request("Once upon a time", params, request_id=rid))]
+
+    async def main():
+        first = asyncio.ensure_future(one("q1"))  # admitted; its step is held
+        assert await asyncio.to_thread(held.wait, 30)
+        second = asyncio.ensure_future(one("q2"))  # 1 waiting + 0 arriving < 2: queued
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(Overloaded, match="1 arriving"):  # 1 waiting + 1 arriving
+            await one("q3")
+        refused_after = time.monotonic() - start
+        assert not second.done()  # still behind the held step
+        release.set()
+        return refused_after, await first, await second
+
+    engine.step, aengine.max_waiting = step, 2
+    try:
+        refused_after, first, second = asyncio.run(main())
+    finally:
+        release.set()
+        del engine.step
+        aengine.max_waiting = None
+    assert refused_after < 0.1
+    assert first[-1].finished and second[-1].finished
     assert not aengine.engine.has_unfinished_requests()
 
 
