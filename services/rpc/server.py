@@ -34,7 +34,7 @@ from baton.kv_transfer.base import IncompatibleLayout
 from ..common.capacity import RETRY_AFTER_S, AtCapacity
 from ..common.errors import NotFound
 from .config import DRAIN_GRACE_S
-from .errors import InvalidArgument, ServiceError, retry_metadata
+from .errors import InvalidArgument, Overloaded, ServiceError, retry_metadata
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
 LIVENESS = "liveness"
 
 
+# A health check is answered whatever the load (Watch streams, which stay open, count).
+UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check"})
+
 class Lifecycle:
     """A service's state, shared by its servicers, its interceptor and its drain."""
 
@@ -66,6 +69,11 @@ class Lifecycle:
         self.work_methods = set(work_methods)  # full names: "/pkg.Service/Method"
         self.draining = False
         self.inflight = 0  # work calls in flight
+        # Calls at once past which a new one is refused (RESOURCE_EXHAUSTED with the retry
+        # hint, as every overload refusal; gRPC's own maximum_concurrent_rpcs gives none);
+        # health checks are never counted nor refused (a prober must see a busy server up).
+        self.max_calls: int | None = None
+        self.calls = 0
         self.health = HealthServicer()
         self.names: list[str] = []  # the service names health advertises
         # (method, metadata) -> why the caller may not call it, or None: API keys on a
@@ -180,8 +188,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # A checked request reaches `guarded` as its raw bytes: parsed there, off the loop.
         deserializer = None if offload else load
 
+        counted = method not in UNCOUNTED
+
         @asynccontextmanager
         async def guarded(context, request) -> AsyncIterator[object]:
+            if counted and state.max_calls is not None and state.calls >= state.max_calls:
+                await _abort(context, Overloaded(
+                    f"server at capacity: {state.calls} calls at once "
+                    f"(limit {state.max_calls})"), method)
+            state.calls += counted
+            try:
+                async with calling(context, request) as request:
+                    yield request
+            finally:
+                state.calls -= counted
+
+        @asynccontextmanager
+        async def calling(context, request) -> AsyncIterator[object]:
             if state.authorize is not None:
                 refused = state.authorize(method, context.invocation_metadata())
                 if refused:
@@ -282,8 +305,8 @@ def make_server(register: Callable[[grpc.aio.Server], list[str]], state: Lifecyc
     serving at most `max_calls` calls at once (None: no bound)."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", state.max_receive_bytes)]
-    server = grpc.aio.server(options=options, interceptors=[ErrorInterceptor(state)],
-                             maximum_concurrent_rpcs=max_calls)
+    server = grpc.aio.server(options=options, interceptors=[ErrorInterceptor(state)])
+    state.max_calls = max_calls
     state.names = register(server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(

@@ -1,5 +1,6 @@
-"""The gRPC server serves at most its calls at once (the rest of what comes before
-admission: tests/unit/test_before_admission.py)."""
+"""The gRPC server serves at most its calls at once, refusing the rest with the retry hint
+every overload refusal carries, and answers health checks whatever the load (the rest of
+what comes before admission: tests/unit/test_before_admission.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.router.config import RouterConfig
+from baton.services.rpc.errors import retry_after_s
 from baton.services.rpc.server import Lifecycle, make_server
 from tests.integration.test_abuse_admit import HANG_S, _until
 
@@ -38,6 +41,11 @@ def test_the_grpc_server_serves_at_most_its_calls_at_once():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await call(b"x", timeout=HANG_S)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "2 calls at once" in e.value.details()
+                assert retry_after_s(e.value.trailing_metadata()) > 0
+                health = health_pb2_grpc.HealthStub(channel)
+                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=HANG_S)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
                 go.set()
                 assert await asyncio.gather(*held) == [b"x", b"x"]
         finally:
