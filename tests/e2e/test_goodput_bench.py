@@ -1,6 +1,7 @@
 """`baton bench goodput` end to end, a few seconds on the tiny model: it starts a P/D
-topology pinned to the cores, sends an open-loop load through the OpenAI API, and writes
-vLLM's result fields and the plots; its figures agree with its own per-request data."""
+topology pinned to the cores (the router told to disaggregate always, then never), sends
+an open-loop load through the OpenAI API, and writes vLLM's result fields and the plots;
+its figures agree with its own per-request data and the router's counts."""
 
 from __future__ import annotations
 
@@ -16,15 +17,20 @@ from tests.e2e.topology import ROOT
 
 def test_the_goodput_benchmark_runs_and_its_result_adds_up(tiny_model, tmp_path):
     cmd = [sys.executable, "-m", "baton.cli", "bench", "goodput", "--workload", "w3",
-           "--topology", "pd", "--model", str(tiny_model), "--dtype", "float32",
+           "--topology", "pd-always", "pd-never", "--model", str(tiny_model), "--dtype", "float32",
            "--kv-cache-gib", "0.05", "--num-prompts", "6", "--seeds", "0", "1",
            "--request-rate", "8", "--goodput", "ttft:60000", "e2el:1", "--result-dir",
            str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "pd         rate  8.00/s  done   12/12" in done.stdout, done.stdout
+    assert "pd-always  rate  8.00/s  done   12/12" in done.stdout, done.stdout
     (path,) = tmp_path.glob("goodput-w3-*.json")
-    run = json.loads(path.read_text())["runs"][0]
+    run, local = json.loads(path.read_text())["runs"]
+    # Where each prompt was computed, from the router's own counts: every one on the
+    # prefill worker, then every one on the decode worker.
+    assert run["local_prefills"] == {}
+    assert local["local_prefills"] == {"disaggregation_never": 12}
+    assert "local 100% (disaggregation_never 12)" in done.stdout
     assert run["completed"] == 12 and run["failed"] == 0 and run["request_rate"] == 8
     assert run["output_lens"] == [16] * 12  # W3: 16 tokens each, ignore_eos
     # e2el <= 1 ms is met by nobody: goodput and attainment 0, whatever the throughput.

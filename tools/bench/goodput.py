@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .goodput_load import WORKLOADS, Job, arrivals, jobs, run
 from .goodput_stats import PERCENTILES, parse_slos, summarize
-from .goodput_topology import TOPOLOGIES, cpu_seconds, started
+from .goodput_topology import TOPOLOGIES, cpu_seconds, local_prefills, started
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,11 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(target: str, api: str, args, rate: float, vocab: int, progress,
-            router_pid: int | None = None) -> dict:
-    """One rate: every seed's requests (each its own open-loop run), pooled; and the
-    router's CPU time per output token, where it runs apart."""
+            router_pid: int | None = None, http: str | None = None) -> dict:
+    """One rate: every seed's requests (each its own open-loop run), pooled; the
+    router's CPU time per output token, where it runs apart; and the prompts its decode
+    workers computed themselves, by reason (`http`: its OpenAI API, which serves
+    /metrics)."""
     timings = []
     cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    local0 = local_prefills(http) if http else {}
     for seed in args.seeds:
         work = jobs(args.workload, args.num_prompts, seed, vocab)
         times = arrivals(len(work), rate, args.burstiness, seed)
@@ -83,6 +86,10 @@ def measure(target: str, api: str, args, rate: float, vocab: int, progress,
     if router_pid:
         result["router_cpu_ms_per_token"] = 1000 * (cpu_seconds(router_pid) - cpu0) / max(
             1, result["total_output_tokens"])
+    if http:
+        after = local_prefills(http)
+        result["local_prefills"] = {k: v - local0.get(k, 0.0) for k, v in after.items()
+                                    if v > local0.get(k, 0.0)}
     result.update(request_rate=rate, burstiness=args.burstiness, seeds=args.seeds,
                   num_prompts=args.num_prompts * len(args.seeds), workload=args.workload)
     return result
@@ -101,13 +108,17 @@ def line(topology: str, r: dict) -> str:
     cols.append(f"1st ITL {r['mean_first_itl_ms']:.0f} ms")
     if r.get("mean_kv_transfer_ms"):
         cols.append(f"KV pull {r['mean_kv_transfer_ms']:.1f} ms")
+    if r.get("local_prefills"):
+        share = sum(r["local_prefills"].values()) / max(1, r["completed"])
+        cols.append(f"local {100 * share:.0f}% (" + ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(r["local_prefills"].items())) + ")")
     if "router_cpu_ms_per_token" in r:
         cols.append(f"router {r['router_cpu_ms_per_token']:.2f} ms/token")
     return "  ".join(cols)
 
 
 def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
-          router_pid: int | None = None) -> dict | None:
+          router_pid: int | None = None, http: str | None = None) -> dict | None:
     """Each rate given, or the search for the highest rate at the attainment; the
     best passing result (with --find-max-rate)."""
     from tqdm import tqdm
@@ -115,7 +126,7 @@ def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
     def point(rate: float) -> dict:
         with tqdm(total=args.num_prompts * len(args.seeds), leave=False,
                   desc=f"{topology} @ {rate:.2f}/s") as bar:
-            r = measure(target, api, args, rate, vocab, bar, router_pid)
+            r = measure(target, api, args, rate, vocab, bar, router_pid, http)
         r["topology"] = topology
         out.append(r)
         print(line(topology, r), flush=True)
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             with started(topology, worker_flags, router_flags) as served:
                 target = served.http if args.api == "openai" else served.grpc
                 best[topology] = sweep(topology, target, args.api, args, vocab, results,
-                                       served.router_pid)
+                                       served.router_pid, served.http)
     finally:
         if scratch is not None:
             scratch.cleanup()

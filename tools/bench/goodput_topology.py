@@ -117,3 +117,22 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def local_prefills(http: str) -> dict[str, float]:
+    """The router's prompts computed on a decode worker so far, by reason
+    (baton:local_prefills_total, from its /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{http}/metrics", timeout=30).text
+    except httpx.HTTPError:  # a server without them: nothing to tell
+        return {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "baton:local_prefills_total":
+                reason = sample.labels["reason"]
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+    return counts
