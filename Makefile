@@ -54,8 +54,11 @@ $(QWEN3): | $(STAMP)
 	$(BIN)/python -c 'from tests.chat_models import qwen3_tokenizer_dir; qwen3_tokenizer_dir()'
 
 # Two test processes (pytest-xdist), a module whole on one of them; the 25 slowest
-# tests are listed at the end.
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+# tests are listed at the end, then each kind's time (its tests' durations summed over
+# both processes) beside its budget here, with a warning line for a kind over its own
+# (tests/time_budget.py; never a failure).
+TEST_BUDGET := unit=60 integration=150 e2e=150
+PYTEST := BATON_TEST_BUDGET="$(TEST_BUDGET)" $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test: $(STAMP) $(MODEL) $(QWEN3) lint
 	$(PYTEST)

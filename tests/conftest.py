@@ -13,7 +13,7 @@ import pytest
 
 from tests.xdist_groups import pytest_xdist_make_scheduler  # noqa: F401 (a hook)
 
-pytest_plugins = ("tests.engine_fixtures",)
+pytest_plugins = ("tests.engine_fixtures", "tests.time_budget")
 
 
 def _configure_torch(torch) -> None:
