@@ -263,8 +263,9 @@ FLAGS: list[Flag] = [
        "HTTP connections open at once; past it, a new one gets 503 and is closed "
        "(default: 4 x --max-inflight)", kind=int, optional=True),
     _f("max-grpc-calls", ROUTERS, "router.max_grpc_calls",
-       "gRPC calls at once, of any method; past it, RESOURCE_EXHAUSTED (default: 4 x "
-       "--max-inflight)", kind=int, optional=True),
+       "gRPC calls at once, of any method but a health Check; past it, "
+       "RESOURCE_EXHAUSTED with retry-after-ms (default: 4 x --max-inflight)", kind=int,
+       optional=True),
     _f("http-header-timeout", ROUTERS, "router.http_header_timeout",
        "seconds an HTTP request's headers may take to arrive; past it, 408 and the "
        "connection is closed", kind=float),
