@@ -80,3 +80,13 @@ def test_workloads_are_fixed_by_their_seed_and_keep_their_bounds():
     doc = jobs("longdoc", 50, 0, 49152)
     assert all(2048 <= len(j.prompt) <= 8192 and 16 <= j.output_len <= 64 for j in doc)
     assert all(100 <= t < 49152 for j in chat for t in j.prompt)
+
+
+def test_a_point_whose_arrivals_end_before_requests_settle_is_flagged():
+    from baton.tools.bench.goodput import steady, window_s
+
+    # 50 requests a seed at 1/s: arrivals over 50 s; requests living 20 s settle in that.
+    r = {"num_prompts": 100, "seeds": [0, 1], "request_rate": 1.0, "mean_e2el_ms": 20_000}
+    assert window_s(r) == 50 and steady(r)
+    assert not steady({**r, "mean_e2el_ms": 30_000})  # 50 s < 2 x 30 s: a ramp
+    assert not steady({**r, "request_rate": 2.0})  # 25 s < 40 s

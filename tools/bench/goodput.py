@@ -114,7 +114,22 @@ def line(topology: str, r: dict) -> str:
             f"{k} {v:.0f}" for k, v in sorted(r["local_prefills"].items())) + ")")
     if "router_cpu_ms_per_token" in r:
         cols.append(f"router {r['router_cpu_ms_per_token']:.2f} ms/token")
+    if not steady(r):
+        cols.append(f"RAMP (a seed's arrivals span {window_s(r):.0f} s, under twice a "
+                    f"request's mean life of {r['mean_e2el_ms'] / 1000:.1f} s)")
     return "  ".join(cols)
+
+
+def window_s(r: dict) -> float:
+    """How long one seed's arrivals last at the point's rate."""
+    return r["num_prompts"] / len(r["seeds"]) / r["request_rate"]
+
+
+def steady(r: dict) -> bool:
+    """Whether the load had time to settle: a seed's arrivals last at least twice a
+    request's mean life. Below that, the run is a ramp up to a burst, and its rate says
+    less than its throughput of what the server sustains."""
+    return window_s(r) >= 2 * r["mean_e2el_ms"] / 1000
 
 
 def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
