@@ -90,3 +90,18 @@ def test_a_point_whose_arrivals_end_before_requests_settle_is_flagged():
     assert window_s(r) == 50 and steady(r)
     assert not steady({**r, "mean_e2el_ms": 30_000})  # 50 s < 2 x 30 s: a ramp
     assert not steady({**r, "request_rate": 2.0})  # 25 s < 40 s
+
+
+def test_a_stored_result_scored_again_at_its_own_slos_agrees_and_at_others_moves():
+    from baton.tools.bench.goodput_stats import rescore
+
+    slos = parse_slos(["ttft:1000", "tpot:200"])
+    run = summarize(timings(), slos)
+    again = rescore(run, slos)
+    assert again["slo_attainment"] == run["slo_attainment"]
+    assert again["request_goodput"] == pytest.approx(run["request_goodput"])
+    # TPOT <= 50 ms: the first request's 100 ms gaps now miss too; only the one-token
+    # request (no TPOT) meets it.
+    assert rescore(run, parse_slos(["tpot:50"]))["slo_attainment"] == 1 / 4
+    # TTFT <= 5 s alone: every completed request meets it, the failed one never.
+    assert rescore(run, parse_slos(["ttft:5000"]))["slo_attainment"] == 3 / 4

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from .goodput_load import WORKLOADS, Job, arrivals, jobs, run
-from .goodput_stats import PERCENTILES, parse_slos, summarize
+from .goodput_stats import PERCENTILES, parse_slos, rescore, summarize
 from .goodput_topology import TOPOLOGIES, cpu_seconds, local_prefills, started
 
 
@@ -62,10 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker-flag", action="append", default=[],
                     help="one more flag for every worker (repeat), e.g. --worker-flag=--x=1")
     ap.add_argument("--router-flag", action="append", default=[])
+    ap.add_argument("--rescore", type=Path, nargs="+", metavar="JSON",
+                    help="no run: score these result files' requests at --goodput, and "
+                    "each topology's highest rate at --attainment among their points")
     args = ap.parse_args(argv)
     args.slos = parse_slos(args.goodput)
-    if args.find_max_rate and not args.slos:
-        ap.error("--find-max-rate needs --goodput")
+    if (args.find_max_rate or args.rescore) and not args.slos:
+        ap.error("--find-max-rate and --rescore need --goodput")
     return args
 
 
@@ -182,8 +185,28 @@ def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
     return good
 
 
+def rescored(args) -> None:
+    """Each stored point judged again at --goodput: a target's choice can reverse which
+    topology wins, and the requests' times say so without running them again."""
+    best: dict[str, float] = {}
+    for path in args.rescore:
+        for point in json.loads(path.read_text())["runs"]:
+            r = rescore(point, args.slos)
+            topology, rate = point["topology"], point["request_rate"]
+            print(f"{topology:<10} rate {rate:5.2f}/s  goodput {r['request_goodput']:5.2f}/s"
+                  f"  attain {100 * r['slo_attainment']:5.1f}%")
+            if r["slo_attainment"] >= args.attainment:
+                best[topology] = max(best.get(topology, 0.0), rate)
+    for topology, rate in best.items():
+        print(f"best {topology:<10}: {rate:.2f}/s (the highest measured rate at "
+              f"{100 * args.attainment:.0f}% attainment)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.rescore:
+        rescored(args)
+        return
     from .machine import cpu_line
 
     print(cpu_line(), flush=True)

@@ -129,3 +129,24 @@ def summarize(timings: list[Timing], slos: dict[str, float],
         for p in percentiles:
             result[f"p{p}_{name}_ms"] = float(np.percentile(xs, p))
     return result
+
+
+def replayed(run: dict) -> list[Timing]:
+    """A stored result's requests as Timings again (its `ttfts`, `itls`, `output_lens`,
+    `errors`; each sent at 0): enough to score them at other SLOs, not to time them."""
+    out = []
+    for ttft, gaps, n, error in zip(run["ttfts"], run["itls"], run["output_lens"],
+                                    run["errors"], strict=True):
+        times = list(np.cumsum([ttft, *gaps])) if not error else []
+        out.append(Timing(sent=0.0, input_len=0, token_times=times, output_len=n,
+                          error=error))
+    return out
+
+
+def rescore(run: dict, slos: dict[str, float]) -> dict:
+    """The same requests judged at other SLOs: attainment, and goodput over the stored
+    run's duration (the requests' own times do not change with the target)."""
+    timings = replayed(run)
+    count = sum(good(t, slos) for t in timings)
+    return {"slo_attainment": count / len(timings) if timings else 0.0,
+            "request_goodput": count / run["duration"]}
