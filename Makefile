@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The GGUF and the tokenizer saved beside it (the torch-free router reads that).
 MODEL   := .cache/models/SmolLM2-135M-Instruct.Q4_1.tokenizer/tokenizer.json
 
-.PHONY: install model test test-fast test-latest lock lint protos protos-check proto-release \
+.PHONY: install model test test-fast test-latest soak lock lint protos protos-check proto-release \
 	serve bench vllm bench-vllm llamacpp bench-llamacpp clean
 PROTOS  := protos/baton/v1/generation.proto protos/baton/worker/v1/worker.proto
 # The generated services' static calls (Generation.Generate(request, target), ...) use
@@ -62,6 +62,11 @@ PYTEST := BATON_TEST_BUDGET="$(TEST_BUDGET)" $(BIN)/python -m pytest -q -n 2 --d
 
 test: $(STAMP) $(MODEL) $(QWEN3) lint
 	$(PYTEST)
+
+# The e2e tests 10 times with two CPU hogs, every failure with its services' logs
+# (scripts/soak.py; about an hour, not part of CI). SOAK_ARGS: more, e.g. -k failures.
+soak: $(STAMP) $(MODEL) $(QWEN3)
+	$(BIN)/python scripts/soak.py --rounds 10 --hogs 2 $(SOAK_ARGS)
 
 # The unit tests alone (tests/unit: no process, socket or gRPC, tiny models only; under a
 # minute). tests/integration (in-process gRPC, fake workers, engines) and tests/e2e (the
