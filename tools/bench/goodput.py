@@ -62,13 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker-flag", action="append", default=[],
                     help="one more flag for every worker (repeat), e.g. --worker-flag=--x=1")
     ap.add_argument("--router-flag", action="append", default=[])
+    ap.add_argument("--plot", type=Path, nargs="+", metavar="JSON",
+                    help="no run: draw these result files' points as one run's plots, "
+                    "in --result-dir (runs of one workload at one SLO, e.g. topologies "
+                    "measured apart)")
     ap.add_argument("--rescore", type=Path, nargs="+", metavar="JSON",
                     help="no run: score these result files' requests at --goodput, and "
                     "each topology's highest rate at --attainment among their points")
     args = ap.parse_args(argv)
     args.slos = parse_slos(args.goodput)
-    if (args.find_max_rate or args.rescore) and not args.slos:
-        ap.error("--find-max-rate and --rescore need --goodput")
+    if (args.find_max_rate or args.rescore or args.plot) and not args.slos:
+        ap.error("--find-max-rate, --rescore and --plot need --goodput")
+    if args.plot and not args.result_dir:
+        ap.error("--plot needs --result-dir")
     return args
 
 
@@ -206,6 +212,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.rescore:
         rescored(args)
+        return
+    if args.plot:
+        from .goodput_plots import plot
+
+        runs = [r for path in args.plot for r in json.loads(path.read_text())["runs"]]
+        stem = args.result_dir / f"goodput-{args.workload}-merged"
+        for png in plot(runs, args, stem):
+            print(f"wrote {png}")
         return
     from .machine import cpu_line
 

@@ -35,12 +35,14 @@ def plot(results: list[dict], args, stem: Path) -> list[Path]:
         left.legend()
         fig.tight_layout()
         written.append(_save(fig, stem, "goodput"))
+    # The CDFs: the topologies whose points carry each request's times (all of a run's).
+    timed = {t: rs for t, rs in by_topology.items() if all("ttfts" in r for r in rs)}
     common = set.intersection(*({r["request_rate"] for r in rs}
-                                for rs in by_topology.values())) if by_topology else set()
+                                for rs in timed.values())) if timed else set()
     if common:
         rate = max(common)
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for topology, rs in by_topology.items():
+        for topology, rs in timed.items():
             r = next(r for r in rs if r["request_rate"] == rate)
             ttft = np.sort(np.asarray(r["ttfts"]) * 1000)
             itl = np.sort(np.asarray([x for xs in r["itls"] for x in xs]) * 1000)
