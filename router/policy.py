@@ -53,7 +53,7 @@ HOST_WEIGHT = 0.5
 DISK_WEIGHT = 0.25
 DISAGGREGATION = ("auto", "always", "never")
 LOCAL_PREFILL_TOKENS = 32  # docs/benchmarks.md, issue 53
-LOCAL_PREFILL_QUEUE = 1.0  # docs/benchmarks.md, issue 53
+LOCAL_PREFILL_QUEUE = 4.0  # docs/benchmarks.md, issue 53
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         from .goodput_plots import plot
 
         runs = [r for path in args.plot for r in json.loads(path.read_text())["runs"]]
+        args.result_dir.mkdir(parents=True, exist_ok=True)
         stem = args.result_dir / f"goodput-{args.workload}-merged"
         for png in plot(runs, args, stem):
             print(f"wrote {png}")
