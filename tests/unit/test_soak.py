@@ -3,7 +3,14 @@ file, and the logs of the services its module ran against."""
 
 from __future__ import annotations
 
-from scripts.soak import failures, logs_of
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+soak = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(soak)
+failures, logs_of = soak.failures, soak.logs_of
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.e2e.test_failures" name="test_ok" time="1.0"/>
