@@ -64,7 +64,7 @@ test: $(STAMP) $(MODEL) $(QWEN3) lint
 	$(PYTEST)
 
 # The e2e tests 10 times with two CPU hogs, every failure with its services' logs
-# (scripts/soak.py; about an hour, not part of CI). SOAK_ARGS: more, e.g. -k failures.
+# (scripts/soak.py; ten runs of tests/e2e, not part of CI). SOAK_ARGS: more, e.g. -k failures.
 soak: $(STAMP) $(MODEL) $(QWEN3)
 	$(BIN)/python scripts/soak.py --rounds 10 --hogs 2 $(SOAK_ARGS)
 

@@ -1,5 +1,6 @@
 """`make soak`: the e2e tests again and again on a loaded machine, every failure with the
-logs of the services it ran against. Not part of `.ci/run`: it takes about an hour.
+logs of the services it ran against. Not part of `.ci/run`: ten runs of tests/e2e, each
+slowed by the hogs.
 
     python scripts/soak.py [--rounds 10] [--hogs 2] [--out .cache/soak] [pytest args...]
 

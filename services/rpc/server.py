@@ -62,6 +62,7 @@ LIVENESS = "liveness"
 # A health check is answered whatever the load (Watch streams, which stay open, count).
 UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check"})
 
+
 class Lifecycle:
     """A service's state, shared by its servicers, its interceptor and its drain."""
 
@@ -196,15 +197,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await _abort(context, Overloaded(
                     f"server at capacity: {state.calls} calls at once "
                     f"(limit {state.max_calls})"), method)
-            state.calls += counted
-            try:
-                async with calling(context, request) as request:
-                    yield request
-            finally:
-                state.calls -= counted
-
-        @asynccontextmanager
-        async def calling(context, request) -> AsyncIterator[object]:
             if state.authorize is not None:
                 refused = state.authorize(method, context.invocation_metadata())
                 if refused:
@@ -212,7 +204,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if work and state.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"draining: this service takes no new {method} calls")
+            # No await between the capacity check and here but those that raise: the
+            # count cannot pass the limit.
             state.inflight += work
+            state.calls += counted
             try:
                 if offload and state.parse is not None:
                     request = await state.parse(context.invocation_metadata(), load, request)
@@ -228,6 +223,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await _abort(context, e, method)  # raises
             finally:
                 state.inflight -= work
+                state.calls -= counted
 
         async def decoded(requests, context):  # a request stream, each message decoded
             async for request in requests:

@@ -90,6 +90,9 @@ def test_baton_serve_model_answers_like_vllm(tiny_model, tmp_path):
             assert client.get("/version").json()["version"]
 
             _metrics_move_under_load(client, model)
+    except httpx.TransportError as e:  # the server went away: say whether it died, and how
+        raise AssertionError(f"{e!r}; baton serve's exit status {proc.poll()}, its log: "
+                             f"{open(log).read()[-3000:]}") from e
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -66,11 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="no run: draw these result files' points as one run's plots, "
                     "in --result-dir (runs of one workload at one SLO, e.g. topologies "
                     "measured apart)")
+    ap.add_argument("--machine-only", action="store_true",
+                    help="no run: print the CPU's flags and the bf16 matmul roofline at "
+                    "the workload's model's shapes (what every run prints first)")
     ap.add_argument("--rescore", type=Path, nargs="+", metavar="JSON",
                     help="no run: score these result files' requests at --goodput, and "
                     "each topology's highest rate at --attainment among their points")
     args = ap.parse_args(argv)
     args.slos = parse_slos(args.goodput)
+    args.stamp = time.strftime("%Y%m%d-%H%M%S")  # names the run's files
     if (args.find_max_rate or args.rescore or args.plot) and not args.slos:
         ap.error("--find-max-rate, --rescore and --plot need --goodput")
     if args.plot and not args.result_dir:
@@ -222,9 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         for png in plot(runs, args, stem):
             print(f"wrote {png}")
         return
-    from .machine import cpu_line
-
-    print(cpu_line(), flush=True)
+    print(machine(args), flush=True)
+    if args.machine_only:
+        return
     print(f"workload {args.workload}, {args.num_prompts} requests x seeds {args.seeds}, "
           f"burstiness {args.burstiness}, SLOs {args.goodput}", flush=True)
     vocab, worker_flags, router_flags, scratch = model_flags(args)
@@ -247,6 +251,33 @@ def main(argv: list[str] | None = None) -> None:
             print(f"best {topology:<10}: " + (line(topology, r) if r else "none"))
     if args.result_dir:
         save(args, results, best)
+
+
+def machine(args) -> str:
+    """The CPU, its matmul flags and the roofline measured now at the shapes of the model
+    the run serves (machine.py): figures from different CPUs never compare."""
+    import types
+
+    import torch
+
+    from .machine import machine_line
+
+    config = Path(args.model or "") / "config.json"
+    if args.model and config.is_file():
+        c = json.loads(config.read_text())
+        shape = (c["hidden_size"], c["intermediate_size"])
+    elif args.model is None and args.workload == "longdoc":
+        from .pd_ttft import TINY_LONG
+
+        shape = (TINY_LONG["hidden_size"], TINY_LONG["intermediate_size"])
+    else:  # a .gguf: its config, read without its weights
+        from baton.services.common.default_model import default_model_path
+        from baton.services.engine.loader import load_gguf
+
+        mc = load_gguf(Path(args.model) if args.model else default_model_path())[0]
+        shape = (mc.hidden_size, mc.intermediate_size)
+    mc = types.SimpleNamespace(hidden_size=shape[0], intermediate_size=shape[1])
+    return machine_line(mc, getattr(torch, args.dtype))
 
 
 def model_flags(args) -> tuple[int, list[str], list[str], tempfile.TemporaryDirectory | None]:
@@ -279,15 +310,14 @@ def save(args, results: list[dict], best: dict, plots: bool = True) -> None:
     from .goodput_plots import plot
 
     args.result_dir.mkdir(parents=True, exist_ok=True)
-    stamp = args.__dict__.setdefault("stamp", time.strftime("%Y%m%d-%H%M%S"))
-    path = args.result_dir / f"goodput-{args.workload}-{stamp}.json"
+    path = args.result_dir / f"goodput-{args.workload}-{args.stamp}.json"
     path.write_text(json.dumps({"workload": args.workload, "slos_ms": args.goodput,
                                 "attainment": args.attainment, "cpu": os.cpu_count(),
                                 "best": {k: v and v["request_rate"] for k, v in best.items()},
                                 "runs": results}))
     if not plots:
         return
-    for png in plot(results, args, args.result_dir / f"goodput-{args.workload}-{stamp}"):
+    for png in plot(results, args, args.result_dir / f"goodput-{args.workload}-{args.stamp}"):
         print(f"wrote {png}")
     print(f"wrote {path}")
 

@@ -28,14 +28,17 @@ ROUTER, PREFILL, DECODE, COLOCATED = ("127.0.0.1:50551", "127.0.0.1:50561",
                                       "127.0.0.1:50571", "127.0.0.1:50581")
 
 
+TINY_LONG = {"hidden_size": 256, "intermediate_size": 768}  # the long-context model's
+
+
 def tiny_long_model(folder: str, layers: int = 12) -> list[str]:
     """Worker flags for a `layers`-layer, 256-wide Llama with a 16K context."""
     from transformers import LlamaConfig
 
     from baton.services.common.default_model import default_model_path
 
-    shape: dict = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+    shape: dict = dict(**TINY_LONG, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=49152,
                        max_position_embeddings=16384, rope_theta=100000.0,
                        tie_word_embeddings=True, torch_dtype="bfloat16")
     LlamaConfig(**shape).save_pretrained(folder)
