@@ -10,7 +10,10 @@ once the headers are in, by the app's Guard):
                   first byte of the next request on a kept-alive one), else 408, closed;
                   at most HEADER_BYTES of them (h11's bound on an incomplete event)
     answered      a request answered before its body is all in (refused, or a route
-                  that reads none): the connection is closed, the rest never waited for
+                  that reads none): the answer says `connection: close` and the
+                  connection is closed after it, the rest never waited for. (Said in
+                  the answer: a client that reused the connection would send its next
+                  request into a closing one, and get no answer at all.)
     idle          a kept-alive connection with no next request: closed after
                   KEEP_ALIVE_S (uvicorn's timeout_keep_alive)
 
@@ -99,10 +102,27 @@ class BoundedH11(h11_impl.H11Protocol):
         else:
             self._headers_in()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.conn.their_state is SEND_BODY and not self.transport.is_closing():
-            self._close()
+    def handle_events(self) -> None:
+        super().handle_events()  # where uvicorn starts each request's cycle
+        cycle = self.cycle
+        if cycle is not None and "send" not in vars(cycle):
+            cycle.send = self._announcing(cycle)
+
+    def _announcing(self, cycle):
+        """The cycle's ASGI `send`, with the "answered" bound: an answer that starts before
+        its request's body is all in says `connection: close` (so h11 ends the connection
+        after it), and that end is a lingering close (uvicorn's own would be abrupt)."""
+        send = cycle.send
+
+        async def announcing(message) -> None:
+            if message["type"] == "http.response.start" and \
+                    self.conn.their_state is SEND_BODY:
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"connection", b"close")]}
+                cycle.transport = _Lingering(self)
+            await send(message)
+
+        return announcing
 
     def _await_headers(self) -> None:
         if self.header_timer is None:
@@ -121,6 +141,8 @@ class BoundedH11(h11_impl.H11Protocol):
     def _close(self, reply: bytes = b"") -> None:
         """`reply`, then a lingering close (above); over TLS, a plain one."""
         transport = self.transport
+        if self.lingering:
+            return
         transport.write(reply)
         if not transport.can_write_eof():
             transport.close()
@@ -128,6 +150,20 @@ class BoundedH11(h11_impl.H11Protocol):
         transport.write_eof()
         self.lingering = True
         self.loop.call_later(LINGER_S, transport.close)
+
+
+class _Lingering:
+    """A connection's transport as one answer's cycle sees it: its close() is the
+    protocol's lingering one."""
+
+    def __init__(self, protocol: BoundedH11):
+        self._protocol = protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._protocol.transport, name)
+
+    def close(self) -> None:
+        self._protocol._close()
 
 
 class _Server(uvicorn.Server):
