@@ -21,7 +21,6 @@ from tests.e2e.helpers import (
     metric_value,
     run,
     running_worker,
-    stats,
     stream_diff,
     until_served,
 )
@@ -190,51 +189,46 @@ def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
 
 
 def test_prefill_worker_killed_is_retried_then_decode_prefills(cluster, offline):
-    long_prompt = PROMPT * 40  # 1,600 tokens: a prefill long enough to be caught in the middle
-    ref = offline.generate([long_prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
-    router = cluster["router"]
-    # Kill one prefill worker while requests are in flight: they finish elsewhere.
+    """Both prefill workers paused (SIGSTOP), eight prompts sent: the router spreads them
+    over the two (distinct prompts: no prefix draws them to one), where they wait. Then
+    one is killed with its prompts in hand and the other goes on: every prompt the dead
+    one held is retried, and every answer is the offline text. With no prefill worker
+    left, the decode worker prefills."""
+    prompts = [f"Story {i}. " + PROMPT * 4 for i in range(8)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    router, topo = cluster["router"], cluster["topology"]
+    until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
+    http = f"http://{topo.http[router]}/metrics"
+    retries = metric_value(httpx.get(http, timeout=10).text, "baton:prefill_retries_total")
     results: dict[int, object] = {}
 
     def client(i: int) -> None:
         try:
-            results[i] = joined(until_served(router, gen.GenerateRequest(
-                text=long_prompt, sampling=greedy(12))))
+            results[i] = joined(run(router, gen.GenerateRequest(
+                text=prompts[i], sampling=greedy(12)), timeout=120))
         except grpc.RpcError as e:
             results[i] = e.code()
 
-    threads: list[threading.Thread] = []
-
-    def batch() -> None:  # eight more clients at once
-        for i in range(len(threads), len(threads) + 8):
-            threads.append(threading.Thread(target=client, args=(i,)))
-            threads[-1].start()
-
-    def busy() -> str | None:  # the prefill worker that admitted or prefills a prompt
-        # (the router prefers the one holding the prompt's prefix: either may be it)
-        for name in ("p1", "p2"):
-            s = stats(cluster[name])
-            if s.num_waiting + s.num_running > 0:
-                return name
-        return None
-
-    # On a loaded machine a whole batch may be served before a poll sees it (or by the
-    # decode worker, if the router saw no prefill worker up for a moment): another batch
-    # then comes, until one is caught at a prefill worker.
-    deadline, victim = time.monotonic() + 60, None
-    batch()
-    while victim is None and time.monotonic() < deadline:
-        victim = busy()  # (asked once: a second look may find it done)
-        if victim is None and not any(t.is_alive() for t in threads):
-            batch()
-        time.sleep(0.005)
-    assert victim, "no prefill worker ever got a prompt to prefill"
-    cluster["topology"].kill(cluster[victim])  # mid-prefill
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for p in ("p1", "p2"):
+        topo.kill(cluster[p], signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while _inflight(topo, router) < len(prompts):  # every prompt sent somewhere
+            assert time.monotonic() < deadline, results
+            time.sleep(0.02)
+        topo.kill(cluster["p1"])  # with whatever it was given (sent or on its way)
+    finally:
+        topo.kill(cluster["p2"], signal.SIGCONT)
     for t in threads:
         t.join(timeout=120)
-    assert all(results.get(i) == (ref.token_ids, ref.text) for i in range(len(threads))), \
-        results
+    assert [results.get(i) for i in range(len(prompts))] == \
+        [(w.token_ids, w.text) for w in want]
+    moved = metric_value(httpx.get(http, timeout=10).text, "baton:prefill_retries_total")
+    assert moved > retries, "the killed prefill worker held none of the prompts"
     # With no prefill worker at all, the decode worker prefills itself.
-    cluster["topology"].kill(cluster["p2" if victim == "p1" else "p1"])
-    msgs = until_served(router, gen.GenerateRequest(text=long_prompt, sampling=greedy(12)))
-    assert joined(msgs) == (ref.token_ids, ref.text)
+    topo.kill(cluster["p2"])
+    msgs = until_served(router, gen.GenerateRequest(text=prompts[0], sampling=greedy(12)))
+    assert joined(msgs) == (want[0].token_ids, want[0].text)
