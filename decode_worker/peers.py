@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
@@ -27,6 +28,7 @@ from contextlib import asynccontextmanager, contextmanager
 import grpc
 
 from baton.kv_transfer.base import KVHandle
+from baton.services.rpc.retry import PASSING, retried
 from baton.services.rpc.security import Security
 from baton.worker.v1 import worker_pb2 as wk
 from baton.worker.v1 import worker_pb2_grpc as wk_grpc
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 # A prefill worker that does not confirm a lease in this time is treated as gone (dead or
 # frozen): the pull fails and the load-failure policy applies.
 CONFIRM_TIMEOUT_S = 3.0
-RELEASE_TIMEOUT_S = 10.0  # a background release; one that fails leaves the lease to expire
+RELEASE_TIMEOUT_S = 10.0  # one try of a background release (services/rpc/retry.py)
+RELEASE_FOR_S = 30.0  # its tries in all, at most (a handle's deadline may say less)
 # Block reads over gRPC: a floor, plus time per block (a frozen source fails them too).
 FETCH_BASE_S, FETCH_PER_BLOCK_S = 5.0, 0.05
 MAX_PEERS = 1024
@@ -181,8 +184,13 @@ class Peers:
         return released
 
     async def _release_quietly(self, handle: KVHandle) -> None:
+        def again(e: Exception) -> bool:
+            return isinstance(e, grpc.aio.AioRpcError) and e.code() in PASSING
+
+        # Tried again while it fails in a passing way, until the lease would have ended.
+        left = min(RELEASE_FOR_S, handle.deadline - time.monotonic())
         try:
-            await self._release(handle, RELEASE_TIMEOUT_S)
+            await retried(lambda: self._release(handle, RELEASE_TIMEOUT_S), again, left)
         except ConnectionError:  # a peer we do not know: nothing of it to release
             pass
         except grpc.aio.AioRpcError as e:  # the lease expires on its own

@@ -63,6 +63,11 @@ class GrpcWorkerClient:
         self._closed = True
         await self.channel.close()
 
+    @property
+    def retired(self) -> bool:
+        """Closed: the worker left the registry, and nothing more is sent to it."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:  # a retired worker: a late release, or a pick made before
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} retired")
@@ -178,6 +183,8 @@ class LocalContext:
 class LocalWorkerClient:
     """A worker in this process: its servicers called directly (no serialization, no
     network). Errors they raise become WorkerErrors, as their status codes would."""
+
+    retired = False
 
     def __init__(self, address: str, decode_servicer, worker_servicer):
         self.address = address

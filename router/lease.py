@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 
 import grpc
 
+from baton.services.rpc.retry import PASSING, retried
 from baton.worker.v1 import worker_pb2 as wk
 
 from .clients import WorkerError
@@ -37,18 +38,27 @@ from .clients import WorkerError
 log = logging.getLogger(__name__)
 
 _PENDING: set[asyncio.Task] = set()  # keeps fire-and-forget releases alive until done
-ABORT_TIMEOUT_S = 2.0  # an AbortPrefill; one that fails leaves the lease to expire
+ABORT_TIMEOUT_S = 2.0  # one AbortPrefill try
+# A release or abort that failed on the way (its deadline passed on a worker too loaded to
+# answer in time, a connection being remade) is tried again for up to RETRY_FOR_S, the
+# default lease timeout, past which the worker has ended the lease itself.
+RETRY_FOR_S = 30.0
 
 
-def _soon(what: str, client, request_id: str, call: Coroutine) -> None:
-    """A release in the background: idempotent on the worker; a failure leaves the lease
-    to expire there."""
+def _soon(what: str, client, request_id: str, call: Callable[[], Coroutine]) -> None:
+    """`call()` in the background, idempotent on the worker, tried again while it fails
+    in a passing way (services/rpc/retry.py) and the worker is still in the registry; a
+    lease whose end never landed expires there."""
+
+    def again(e: Exception) -> bool:
+        return isinstance(e, WorkerError) and e.code in PASSING and not client.retired
 
     async def run():
         try:
-            await call
+            await retried(call, again, RETRY_FOR_S)
         except WorkerError as e:
-            log.warning("%s of %s on %s failed: %s", what, request_id, client.address, e)
+            log.warning("%s of %s on %s failed: %s; the lease is left to expire", what,
+                        request_id, client.address, e)
 
     task = asyncio.get_running_loop().create_task(run())
     _PENDING.add(task)
@@ -56,11 +66,12 @@ def _soon(what: str, client, request_id: str, call: Coroutine) -> None:
 
 
 def release_soon(client, request_id: str, lease_id: int) -> None:
-    _soon("release", client, request_id, client.release(request_id, lease_id))
+    _soon("release", client, request_id, lambda: client.release(request_id, lease_id))
 
 
 def abort_soon(client, request_id: str) -> None:
-    _soon("abort", client, request_id, client.abort_prefill(request_id, ABORT_TIMEOUT_S))
+    _soon("abort", client, request_id,
+          lambda: client.abort_prefill(request_id, ABORT_TIMEOUT_S))
 
 
 class PrefillLease:

@@ -93,6 +93,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
     leases: dict[str, int] = field(default_factory=dict)  # request id -> held lease id
     released: list[tuple[str, int, bool]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # AbortPrefill's request ids
+    busy_answers: int = 0  # ReleaseKv and AbortPrefill: this many fail UNAVAILABLE first
     prefills: list[str] = field(default_factory=list)
     decodes: list[wk.DecodeRequest] = field(default_factory=list)
     active: int = 0
@@ -185,7 +186,13 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         self.released.append((rid, lease_id, held))
         return held
 
+    async def _busy(self, context) -> None:
+        if self.busy_answers > 0:  # as a worker too loaded to answer in time
+            self.busy_answers -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+
     async def ReleaseKv(self, request, context):
+        await self._busy(context)
         if not request.lease_id:  # as a prefill worker does: only the handle's lease
             self.released.append((request.request_id, 0, False))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
@@ -194,6 +201,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
 
     async def AbortPrefill(self, request, context):
         # As a prefill worker does: whatever lease the request holds ends, by its id.
+        await self._busy(context)
         self.aborted.append(request.request_id)
         return wk.AbortPrefillResponse(
             released=self.leases.pop(request.request_id, None) is not None)

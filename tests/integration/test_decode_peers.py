@@ -93,10 +93,15 @@ class _Prefill:
     """A prefill worker's ReleaseKv: True the first time a lease is named, as the lease
     table answers."""
 
-    def __init__(self):
+    def __init__(self, busy: int = 0):
         self.calls: list[tuple[str, int]] = []
+        self.busy = busy  # this many calls fail first, as a worker too loaded to answer
 
     async def ReleaseKv(self, request, timeout):  # noqa: N802 - the stub's name
+        if self.busy:
+            self.busy -= 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata())
         self.calls.append((request.request_id, request.lease_id))
         return SimpleNamespace(released=self.calls.count(self.calls[-1]) == 1)
 
@@ -112,6 +117,20 @@ async def _known(prefill: _Prefill) -> Peers:
     peers.add("p", "10.0.0.1:9")
     peers.stub = lambda address: prefill
     return peers
+
+
+def test_a_release_that_fails_on_the_way_is_tried_again():
+    """A background release the prefill worker did not answer in time is sent again,
+    rather than the lease left held until it expires there."""
+    async def main():
+        prefill = _Prefill(busy=2)
+        peers = await _known(prefill)
+        with peers.holding(KVHandle("p", "r", 7, (1,), 4)) as over:
+            over()  # no pull: released in the background
+        await _settled(peers)
+        assert prefill.calls == [("r", 7)] and prefill.busy == 0
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("pulled", [True, False])

@@ -184,6 +184,35 @@ def test_a_prefill_answer_that_arrives_after_the_deadline_has_its_lease_aborted(
     run(main())
 
 
+@pytest.mark.parametrize("how", ["abort", "release"])
+def test_an_end_of_lease_that_fails_on_the_way_is_tried_again(tok, how):
+    """A prefill worker too busy to answer the router's AbortPrefill (a Prefill answer
+    lost past its deadline) or ReleaseKv (no decode worker can take the handle) in time:
+    the router tries again until the lease ends, rather than leave it held until it
+    expires (router/lease.py)."""
+    async def main():
+        async with cluster(tok) as c:
+            c.prefill[0].busy_answers = 2
+            client = c.registry.prefill[0].client
+            if how == "abort":
+                answer = client.prefill
+
+                async def late(req, timeout, metadata=()):
+                    await answer(req, timeout, metadata)
+                    raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+
+                client.prefill = late
+            else:
+                for d in c.decode:  # every decode worker refuses: the handle goes nowhere
+                    d.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError):
+                await c.generate(PROMPT, 8)
+            await _until(lambda: c.leases_held() == 0, timeout=10)
+            assert c.prefill[0].busy_answers == 0  # both failures were tried past
+
+    run(main())
+
+
 def test_a_handle_passes_to_the_next_decode_worker_if_the_first_never_answered(tok):
     async def main():
         async with cluster(tok, decodes=2, poll_interval=10) as c:
