@@ -19,8 +19,8 @@ def test_the_goodput_benchmark_runs_and_its_result_adds_up(tiny_model, tmp_path)
     cmd = [sys.executable, "-m", "baton.cli", "bench", "goodput", "--workload", "w3",
            "--topology", "pd-always", "pd-never", "--model", str(tiny_model), "--dtype", "float32",
            "--kv-cache-gib", "0.05", "--num-prompts", "6", "--seeds", "0", "1",
-           "--request-rate", "8", "--goodput", "ttft:60000", "e2el:1", "--result-dir",
-           str(tmp_path)]
+           "--num-warmups", "2", "--request-rate", "8", "--goodput", "ttft:60000", "e2el:1",
+           "--result-dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "pd-always  rate  8.00/s  done   12/12" in done.stdout, done.stdout

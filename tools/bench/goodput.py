@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--num-warmups", type=int, default=32,
+                    help="requests of the workload sent at once before measuring")
     ap.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
                     help="SLOs, vLLM's form: ttft:MS tpot:MS e2el:MS")
     ap.add_argument("--result-dir", type=Path)
@@ -164,7 +166,7 @@ def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
 
     # Every decode batch size and many prompt shapes seen once before measuring, through
     # the API measured (oneDNN builds a kernel per new shape): a burst, seeded apart.
-    warm = [Job(j.prompt, 16) for j in jobs(args.workload, 32, 10_000, vocab)]
+    warm = [Job(j.prompt, 16) for j in jobs(args.workload, args.num_warmups, 10_000, vocab)]
     asyncio.run(run(warm, [0.0] * len(warm), api, target))
     if not args.find_max_rate:
         for rate in args.request_rate:
