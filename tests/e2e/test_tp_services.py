@@ -98,7 +98,6 @@ def test_a_dead_rank_takes_its_worker_down_and_the_router_moves_its_stream(servi
     worker = topo.process(services["d2"])
     for attempt in range(8):  # until the router puts one on the TP=2 worker
         prompt = f"{attempt}: " + PROMPTS[1]
-        ref = offline.generate([prompt], params)[0]
         req = gen.GenerateRequest(text=prompt, sampling=greedy(n, ignore_eos=True))
         msgs, killed = [], []
         with channel(services["both"]) as ch:
@@ -115,6 +114,7 @@ def test_a_dead_rank_takes_its_worker_down_and_the_router_moves_its_stream(servi
         if killed:
             break
     assert killed, "the router never put a request on the TP=2 decode worker"
+    ref = offline.generate([prompt], params)[0]  # of the stream that moved only
     assert joined(msgs) == (ref.token_ids, ref.text), stream_diff(msgs, ref.token_ids,
                                                                   ref.text)
     deadline = time.monotonic() + 30
@@ -129,9 +129,9 @@ def test_one_worker_over_two_nodes_on_loopback(tmp_path_factory, tiny_model, off
     meet = f"127.0.0.1:{free_port()}"
     flags = ("--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-address",
              meet)
-    try:
-        topo.start("colocated", *flags, "--node-rank", "1", healthy=False, wait=False)
-        address = topo.start("colocated", *flags, "--node-rank", "0")
+    try:  # the workers' small fp32 engine (topology.WORKER_FLAGS), as the offline one
+        topo.worker("colocated", *flags, "--node-rank", "1", healthy=False, wait=False)
+        address = topo.worker("colocated", *flags, "--node-rank", "0")
         want = offline.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
         for prompt, ref in zip(PROMPTS, want, strict=True):
             msgs = run(address, gen.GenerateRequest(text=prompt, sampling=greedy(16)))

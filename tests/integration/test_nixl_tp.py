@@ -3,11 +3,16 @@
 spawned prefill worker owns every rank's caches, cut from one random whole cache; each
 decode rank pulls its heads of scattered blocks from whichever prefill ranks hold them,
 per head run, and must hold exactly those bytes there and nothing new anywhere else, and
-count exactly its slice of the bytes. Equal sizes over two ranks pull rank to rank."""
+count exactly its slice of the bytes. Equal sizes over two ranks pull rank to rank.
+
+One prefill process serves the module, a fresh connector (its own NIXL agent and engine
+id) for each test: a process's start and imports cost seconds, a connector a fraction of
+one."""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import uuid
 
 import pytest
@@ -23,7 +28,6 @@ from tests.integration.test_nixl_connector import (  # noqa: E402
     _handle,
     _wait,
     _within,
-    spawned,
 )
 from tests.tp_caches import (  # noqa: E402
     PAIRS,
@@ -42,34 +46,81 @@ def _on_device(rank_caches: list[list[torch.Tensor]]) -> list[list[torch.Tensor]
     return [[t.to(DEVICE) for t in layers] for layers in rank_caches]
 
 
-def _sender_main(conn, engine_id: str, heads: int, tp: int, dtype: str) -> None:
-    lay = layout(heads, tp, dtype)
-    source = whole(lay, SENDER_BLOCKS, seed=5)
-    caches = _on_device(split(lay, source))
-    connector = NixlConnector(engine_id, lay, caches)
-    # As numpy copies: a tensor sent over a pipe moves its storage to shared memory, and
-    # the one-rank caches share the whole cache's storage, registered with NIXL.
-    conn.send((connector.metadata(), [t.view(torch.uint8).numpy().copy() for t in source]))
-    with contextlib.suppress(EOFError):
-        conn.recv()  # "exit", or EOF when the test process goes away
-    connector.close()
+def _prefill_main(conn) -> None:
+    """Asked (engine id, KV heads, TP, dtype): every rank's caches, cut from one random
+    whole cache, behind a connector of that id; answers its metadata and the whole cache.
+    "done" closes the connector; "exit", or EOF (the test process gone), this process."""
+    held = None
+    while True:
+        try:
+            ask = conn.recv()
+        except EOFError:
+            ask = "exit"
+        if held is not None:
+            held[0].close()
+            held = None
+        if ask == "exit":
+            return
+        if ask == "done":
+            continue
+        engine_id, heads, tp, dtype = ask
+        lay = layout(heads, tp, dtype)
+        source = whole(lay, SENDER_BLOCKS, seed=5)
+        caches = _on_device(split(lay, source))
+        held = (NixlConnector(engine_id, lay, caches), caches)
+        # As numpy copies: a tensor sent over a pipe moves its storage to shared memory, and
+        # the one-rank caches share the whole cache's storage, registered with NIXL.
+        conn.send((engine_id, held[0].metadata(),
+                   [t.view(torch.uint8).numpy().copy() for t in source]))
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    """The module's prefill process (spawned, as test_nixl_connector's senders): its pipe.
+    Told "exit" at the end, killed if it lingers."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_main, args=(theirs,), daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        yield mine
+    finally:
+        with contextlib.suppress(OSError):
+            mine.send("exit")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        mine.close()
 
 
 @contextlib.contextmanager
-def _sender(heads: int, tp: int, dtype: str):
+def _sender(prefill, heads: int, tp: int, dtype: str):
+    """A sender of `heads` KV heads over `tp` ranks in the prefill process, for the
+    `with` block: (its engine id, its metadata, the whole cache its ranks' caches were cut
+    from)."""
     engine_id = f"prefill-tp{tp}-{uuid.uuid4().hex[:8]}"
-    with spawned(_sender_main, engine_id, heads, tp, dtype) as ((metadata, source), _):
+    prefill.send((engine_id, heads, tp, dtype))
+    try:
+        assert prefill.poll(60), "the prefill process did not answer"
+        answered, metadata, source = prefill.recv()
+        assert answered == engine_id, "an answer to an earlier test's question"
         yield engine_id, metadata, [torch.from_numpy(a).view(getattr(torch, dtype))
                                     for a in source]
+    finally:
+        with contextlib.suppress(OSError):
+            prefill.send("done")
 
 
 @pytest.mark.parametrize("heads, prefill_tp, decode_tp, dtype",
                          [(*pair, "bfloat16") for pair in PAIRS]
                          + [(4, 2, 2, "bfloat16"), (4, 2, 1, "float8_e4m3fn"),
                             (2, 1, 4, "float8_e4m3fn")])
-def test_each_decode_rank_pulls_exactly_its_heads(heads, prefill_tp, decode_tp, dtype):
+def test_each_decode_rank_pulls_exactly_its_heads(prefill, heads, prefill_tp, decode_tp,
+                                                  dtype):
     dest = layout(heads, decode_tp, dtype)
-    with _sender(heads, prefill_tp, dtype) as (engine_id, metadata, source):
+    with _sender(prefill, heads, prefill_tp, dtype) as (engine_id, metadata, source):
         caches = _on_device(split(dest, whole(dest, RECEIVER_BLOCKS, seed=6)))
         before = [[t.cpu().clone() for t in layers] for layers in caches]
         receiver = NixlConnector(f"decode-tp{decode_tp}-{uuid.uuid4().hex[:8]}", dest,
@@ -86,8 +137,8 @@ def test_each_decode_rank_pulls_exactly_its_heads(heads, prefill_tp, decode_tp, 
             _within(TIMEOUT_S, receiver.close)
 
 
-def test_a_split_that_cannot_be_made_is_refused_naming_tp_size():
-    with _sender(4, 2, "bfloat16") as (engine_id, metadata, _):
+def test_a_split_that_cannot_be_made_is_refused_naming_tp_size(prefill):
+    with _sender(prefill, 4, 2, "bfloat16") as (engine_id, metadata, _):
         dest = layout(4, 1, "bfloat16")
         receiver = NixlConnector(f"decode-{uuid.uuid4().hex[:8]}", dest,
                                  split(dest, whole(dest, RECEIVER_BLOCKS, seed=7)))

@@ -2,7 +2,10 @@
 transformers' greedy tokens with TP=2, under chunked prefill, preemption and prefix-cache
 hits; TP=4 over 2 KV heads (each replicated on two ranks) too; a LoRA adapter matches
 peft; seeded sampling, structured output and n-gram speculation give what TP=1 gives;
-each rank holds its share of the weights; a rank that dies stops the engine, no hang."""
+each rank holds its share of the weights; a rank that dies stops the engine, no hang.
+
+The ranks are forked from a server that has imported torch once (engine_fixtures.py
+forked_ranks): what they compute is checked here, how they start in test_tp_start.py."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from tests.tiny_models import FAMILIES, build, hf_greedy
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # engine_fixtures.py
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,9 @@ def check_greedy(llm, hf, vocab: int) -> None:
     hits = engine.kv.num_hits
     again = llm.generate(ps[-2:], GREEDY)
     assert engine.kv.num_hits >= hits + 6, "the shared prefix was meant to hit the cache"
-    for p, out in zip(ps + ps[-2:], outs + again, strict=True):
-        assert out.token_ids == hf_greedy(hf, p, MAX_NEW), f"prompt of {len(p)} diverged"
+    want = [hf_greedy(hf, p, MAX_NEW) for p in ps]
+    for p, out, ref in zip(ps + ps[-2:], outs + again, want + want[-2:], strict=True):
+        assert out.token_ids == ref, f"prompt of {len(p)} diverged"
     engine.pool.check_all_free()
 
 

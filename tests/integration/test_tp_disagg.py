@@ -2,7 +2,7 @@
 TP=1 -> TP=2), over the gRPC stream's receiver and over NIXL: the greedy text of one TP=1
 engine, every block freed on both sides, no lease left, and each decode rank pulled
 exactly its slice of the heads. (The tiny serving model: 2 KV heads, one per rank at
-TP=2.)"""
+TP=2; the ranks forked, engine_fixtures.py forked_ranks.)"""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from baton.kv_transfer.head_map import rank_block_bytes
 from baton.kv_transfer.lease_check import LeaseCheckedReceiver
 from baton.services.engine import SamplingParams
 from tests.integration.engine_helpers import run_steps
+
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # engine_fixtures.py
 
 PROMPTS = ["The capital of France is",
            "Paged KV blocks move between workers of different sizes. " * 4,
