@@ -135,6 +135,8 @@ def kernel_errors(device: str, smoke: bool) -> None:
     decodes, prefills = (3, 2) if smoke else (32, 4)
     long = dict(max_prefix=70, max_chunk=40) if smoke else dict(max_prefix=1024,
                                                                  max_chunk=256)
+    # The smoke batch takes under 30 blocks; each cache is filled, cloned and compared.
+    num_blocks = 256 if smoke else 2048
     print(f"GQA {kv_heads * group}/{kv_heads} heads, {decodes} decodes and {prefills} "
           f"prefill chunks over cached prefixes, up to {long['max_prefix']} tokens")
     print("dtype     head_dim  block  " + "  ".join(f"{n:>12}" for n in backends)
@@ -146,7 +148,7 @@ def kernel_errors(device: str, smoke: bool) -> None:
                 torch.manual_seed(head_dim + block_size)
                 q, k, v, cache, meta = make_batch(rng, block_size, kv_heads, group,
                                                   head_dim, dtype, decodes, prefills,
-                                                  num_blocks=2048, **long)
+                                                  num_blocks=num_blocks, **long)
                 q, k, v, cache = (t.to(device) for t in (q, k, v, cache))
                 meta = meta.to(device)
                 want_cache = cache.clone()
@@ -212,7 +214,7 @@ def greedy_equality(model: str, label: str, hf, smoke: bool) -> None:
     print(f"model: {label}; {len(prompts)} prompts of {lengths} tokens, {n_new} new tokens")
     for dtype in ("float32", "bfloat16"):
         llm = LLM(model=model, dtype=dtype, max_num_seqs=16, gpu_memory_utilization=0.3,
-                  kv_cache_gib=0.5)
+                  kv_cache_gib=0.05 if smoke else 0.5)
         runner = llm.engine.runner
         graphs = runner.graphs
         print(f"{dtype}: attention backend {runner.backend.__name__}, CUDA graphs "
@@ -242,7 +244,7 @@ def decode_step_times(model: str, smoke: bool) -> None:
     same engine and the same requests, with CUDA graphs and with them switched off."""
     batches = (1, 8) if smoke else (1, 8, 64)
     llm = LLM(model=model, dtype="bfloat16", max_num_seqs=max(batches),
-              gpu_memory_utilization=0.3, kv_cache_gib=0.5)
+              gpu_memory_utilization=0.3, kv_cache_gib=0.05 if smoke else 0.5)
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.graphs
     vocab = engine.model_config.vocab_size
@@ -284,7 +286,7 @@ def w1_throughput(model: str, label: str, smoke: bool, load_format: str = "auto"
                   hf=None) -> None:
     """W1 output tok/s: CUDA graphs on, off (same engine), and HF static batches of 16."""
     llm = LLM(model=model, dtype="bfloat16", load_format=load_format,
-              gpu_memory_utilization=0.5, kv_cache_gib=1.0)
+              gpu_memory_utilization=0.5, kv_cache_gib=0.05 if smoke else 1.0)
     wl = make_workload("w1", llm.engine.model_config.vocab_size)
     if smoke:
         wl = type(wl)(wl.name, wl.prompts[:4], 8)

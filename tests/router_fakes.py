@@ -162,8 +162,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         cached = self.cached_tokens(prompt, request.cache_salt)
         self.cache(prompt, request.cache_salt)
         max_tokens = request.sampling.max_tokens or 16
-        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1,
-                                                          request.sampling),
+        reply = wk.PrefillResponse(delta=_delta(prompt, 0, max_tokens == 1, request.sampling),
                                    cached_tokens=cached)
         if max_tokens > 1:
             lease = next(_lease_ids)
@@ -186,8 +185,8 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         self.released.append((rid, lease_id, held))
         return held
 
-    async def _busy(self, context) -> None:
-        if self.busy_answers > 0:  # as a worker too loaded to answer in time
+    async def _busy(self, context) -> None:  # as a worker too loaded to answer in time
+        if self.busy_answers > 0:
             self.busy_answers -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
 
@@ -196,8 +195,7 @@ class FakeWorker(wk_grpc.PrefillServiceServicer, wk_grpc.DecodeServiceServicer,
         if not request.lease_id:  # as a prefill worker does: only the handle's lease
             self.released.append((request.request_id, 0, False))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
-        return wk.ReleaseKvResponse(released=self.release(request.request_id,
-                                                          request.lease_id))
+        return wk.ReleaseKvResponse(released=self.release(request.request_id, request.lease_id))
 
     async def AbortPrefill(self, request, context):
         # As a prefill worker does: whatever lease the request holds ends, by its id.

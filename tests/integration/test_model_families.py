@@ -6,6 +6,7 @@ architectures refused, `--dtype auto`, the model's generation_config.json."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import pytest
@@ -13,10 +14,10 @@ import torch
 
 from baton.kernels import cpu_ops
 from baton.services.engine import LLM, SamplingParams
-from baton.services.engine.model_runner import kv_bytes_per_block
 from baton.services.rpc.convert import sampling_params
 from baton.v1 import generation_pb2 as gen
-from tests.tiny_models import FAMILIES, WINDOW, build, hf_greedy
+from tests.integration.engine_helpers import kv_gib
+from tests.tiny_models import FAMILIES, WINDOW, build
 
 MAX_NEW = 12
 GGUF_VOCAB = 1024
@@ -29,18 +30,47 @@ def tokenizer(model_path):
     return load_tokenizer(model_path)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp(request.param)
-    return request.param, folder, build(request.param, folder, tokenizer)
-
-
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(100, vocab, (n,), generator=g).tolist()  # noqa: E731
     shared = ids(64)  # four full blocks two prompts share
     # Lengths past the window (24) and past llama3's original context (64).
     return [ids(5), ids(30), ids(70), ids(130), shared + ids(10), shared + ids(20)]
+
+
+def _greedy_choices(hf):
+    """transformers' greedy token at each position of an output, from one forward pass
+    over the prompt and the output, EOS barred as tests/tiny_models.hf_greedy's
+    min_new_tokens bars it: an output is hf_greedy's exactly when this gives it back
+    (hf_greedy makes a pass of generate per token). Kept per sequence: where the ISAs are
+    right, their outputs are the same."""
+    eos = hf.generation_config.eos_token_id
+    barred = [eos] if isinstance(eos, int) else list(eos or [])
+
+    @functools.cache
+    def choices(sequence: tuple[int, ...], n: int) -> list[int]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([sequence[:-1]]), logits_to_keep=n).logits[0]
+        logits[:, barred] = -float("inf")
+        return logits.argmax(-1).tolist()
+
+    return lambda prompt, out: choices(tuple(prompt + out), len(out))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory, tokenizer):
+    """A tiny model of each family, the engine that serves it and transformers' greedy
+    choices: made once for all the ISAs the parity test runs it under (which ISA serves
+    is read at each call, not when the engine is built)."""
+    family = request.param
+    folder = tmp_path_factory.mktemp(family)
+    hf = build(family, folder, tokenizer)
+    # 14 blocks: the six requests need ~32 together, so some are preempted; 32-token steps
+    # cut every longer prompt into chunks.
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_gib=kv_gib(folder, 13),
+              max_num_batched_tokens=32, max_num_seqs=8)
+    assert llm.engine.model_info.family == family
+    return family, llm, _prompts(len(tokenizer)), _greedy_choices(hf)
 
 
 @pytest.fixture(params=cpu_ops.supported())
@@ -53,27 +83,22 @@ def isa(request):
         yield request.param
 
 
-def test_greedy_parity_with_transformers(tiny, tokenizer, isa):
-    family, folder, hf = tiny
-    probe = LLM(model=str(folder), dtype="float32", kv_cache_gib=0.001)
-    per_block = kv_bytes_per_block(probe.engine.model_config, 16, torch.float32)
-    assert probe.engine.model_info.family == family
-    del probe
-    # 14 blocks: the six requests need ~32 together, so some are preempted; 32-token steps
-    # cut every longer prompt into chunks.
-    llm = LLM(model=str(folder), dtype="float32", kv_cache_gib=14 * per_block / 2**30,
-              max_num_batched_tokens=32, max_num_seqs=8)
+def test_greedy_parity_with_transformers(tiny, isa):
+    family, llm, prompts, hf_choices = tiny
     engine = llm.engine
-    prompts = _prompts(len(tokenizer))
+    llm.reset_prefix_cache()  # this ISA computes every prompt itself, as a new engine would
+    preemptions = engine.scheduler.num_preemptions
+    partial = engine.scheduler.num_partial_prefills
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
-    assert engine.scheduler.num_partial_prefills > 0, "prompts were meant to run in chunks"
+    assert engine.scheduler.num_preemptions > preemptions, (
+        "the KV budget was meant to force preemption")
+    assert engine.scheduler.num_partial_prefills > partial, "prompts were meant to run in chunks"
     hits = engine.kv.num_hits
     again = llm.generate(prompts[-2:], params)  # their shared prefix is cached now
     assert engine.kv.num_hits >= hits + 8, "the shared prefix was meant to hit the cache"
     for prompt, out in zip(prompts + prompts[-2:], outs + again, strict=True):
-        assert out.token_ids == hf_greedy(hf, prompt, MAX_NEW), (
+        assert out.token_ids == hf_choices(prompt, out.token_ids), (
             f"{family}: the prompt of {len(prompt)} tokens diverged from transformers")
     engine.pool.check_all_free()
     windowed = [layer.self_attn for layer in engine.runner.model.layers
@@ -81,9 +106,14 @@ def test_greedy_parity_with_transformers(tiny, tokenizer, isa):
     if windowed:
         # The test can fail: without the window (and soft-cap) the long prompt diverges.
         assert {a.window for a in windowed} <= {WINDOW, None}
-        for attn in windowed:
-            attn.features = {}
-        plain = llm.generate([prompts[3]], params)[0]
+        features = [a.features for a in windowed]
+        try:
+            for attn in windowed:
+                attn.features = {}
+            plain = llm.generate([prompts[3]], params)[0]
+        finally:
+            for attn, kept in zip(windowed, features, strict=True):
+                attn.features = kept
         assert plain.token_ids != outs[3].token_ids
         engine.pool.check_all_free()
 
@@ -179,9 +209,9 @@ def test_gguf_of_a_family_matches_transformers(family, tmp_path, tokenizer):
     assert llm.engine.model_info.family == family
     prompts = _prompts(GGUF_VOCAB)[:4]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for ref in refs:
+    for ref in map(_greedy_choices, refs):
         for prompt, out in zip(prompts, outs, strict=True):
-            assert out.token_ids == hf_greedy(ref, prompt, 8)
+            assert out.token_ids == ref(prompt, out.token_ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -74,7 +74,10 @@ def rows(llm) -> list[tuple[list[int], SamplingParams]]:
     stop string, a max_tokens that cuts the drafts, EOS) and logprobs on the repeating
     prompts, where drafts are accepted, and on the others; seeded sampling."""
     repeat, copy, count, poem, *rand = prompts(llm)
-    past_eos, stop = greedy(48, ignore_eos=True), greedy(48, stop=["fox runs"])
+    # No more tokens than each needs (every one more is a step over the whole model): 36
+    # go past the repeating prompts' EOS (their 32nd and 34th tokens), and they reach
+    # "fox runs" at their 21st.
+    past_eos, stop = greedy(36, ignore_eos=True), greedy(24, stop=["fox runs"])
     short, logprobs = greedy(7), greedy(24, logprobs=2)
     return [(repeat, past_eos), (copy, past_eos),  # first: the prefix-cache test's rows
             (repeat, stop), (copy, stop), (repeat, short), (copy, logprobs),
@@ -134,8 +137,9 @@ def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, runs, 
     """Drafts after a cached prefix (the batch above left the prompts in the cache); and
     a budget so short (6 tokens for 2 requests) that drafts are cut to fit."""
     _, spec = engines
-    ps, params = [p for p, _ in runs.batch[:2]], runs.batch[0][1]
-    ref = [o.token_ids for o in runs.ref[:2]]
+    ps = [p for p, _ in runs.batch[:2]]
+    # Greedy: the first 24 tokens are the reference's first 24.
+    params, ref = greedy(24, ignore_eos=True), [o.token_ids[:24] for o in runs.ref[:2]]
     before = spec.engine.stats().num_spec_accepted_tokens
     again = spec.generate(ps, params)
     assert all(o.num_cached_tokens > 0 for o in again)
@@ -143,20 +147,18 @@ def test_the_same_with_a_prefix_cache_hit_and_with_a_tiny_budget(engines, runs, 
     assert spec.engine.stats().num_spec_accepted_tokens > before
     tight = make_llm(dtype="float32", max_num_batched_tokens=6, max_num_seqs=4,
                      speculative=SPEC)
-    # Greedy: the first 24 tokens are the reference's first 24.
-    assert [o.token_ids for o in tight.generate(ps, greedy(24, ignore_eos=True))] == \
-        [r[:24] for r in ref]
+    assert [o.token_ids for o in tight.generate(ps, params)] == ref
     assert tight.engine.stats().num_spec_accepted_tokens > 0
     assert_idle(tight)
 
 
 @pytest.mark.slow
 def test_the_same_under_preemption(runs, make_llm):
-    """A pool of 13 usable blocks for 2 requests of 8 blocks each (prompts of 66 and 69
-    tokens, 48 more each): they preempt each other, and a preempted request drops its
-    drafts and recomputes."""
+    """A pool of 11 usable blocks for 2 requests of 7 blocks each (prompts of 66 and 69
+    tokens, 36 more each), which share their chat template's first block: they preempt
+    each other, and a preempted request drops its drafts and recomputes."""
     ps, params = [p for p, _ in runs.batch[:2]], runs.batch[0][1]
-    small = make_llm(dtype="float32", kv_cache_gib=0.01, max_model_len=128,
+    small = make_llm(dtype="float32", kv_cache_gib=0.0085, max_model_len=128,
                      max_num_batched_tokens=64, speculative=SPEC)
     got = small.generate(ps, params)
     assert small.engine.stats().num_preemptions > 0
@@ -170,10 +172,10 @@ def test_no_drafts_above_the_batch_size_threshold(make_llm):
     llm = make_llm(dtype="float32", speculative=SpecConfig(method="ngram",
                                                             disable_batch_size=2))
     ps = prompts(llm)[:2]
-    llm.generate(ps, greedy(12, ignore_eos=True))
+    llm.generate(ps, greedy(8, ignore_eos=True))
     drafts = llm.engine.stats().num_spec_drafts
     assert drafts > 0  # two decodes: at the threshold, they draft
-    llm.generate(prompts(llm)[:3], greedy(12, ignore_eos=True))
+    llm.generate(prompts(llm)[:3], greedy(8, ignore_eos=True))
     # Three at once draft only once one has finished... they all end together: never.
     assert llm.engine.stats().num_spec_drafts == drafts
     assert_idle(llm)
