@@ -84,8 +84,8 @@ class Peer:
 
 
 @contextlib.contextmanager
-def spawned(target, *args):
-    """A spawned process running `target(conn, *args)`: yields (its first message, the
+def piped(target, *args):
+    """A spawned process running `target(conn, *args)`: yields (our end of its pipe, the
     process); at the end it is told "exit" (its pipe's EOF if it cannot be), then killed
     if it lingers."""
     ctx = multiprocessing.get_context("spawn")
@@ -94,8 +94,7 @@ def spawned(target, *args):
     proc.start()
     child.close()
     try:
-        assert parent.poll(60), "the sender process did not come up"
-        yield parent.recv(), proc
+        yield parent, proc
     finally:
         with contextlib.suppress(OSError):
             parent.send("exit")
@@ -104,6 +103,14 @@ def spawned(target, *args):
             proc.kill()
             proc.join()
         parent.close()
+
+
+@contextlib.contextmanager
+def spawned(target, *args):
+    """`piped`, yielding (the process's first message, the process)."""
+    with piped(target, *args) as (parent, proc):
+        assert parent.poll(60), "the sender process did not come up"
+        yield parent.recv(), proc
 
 
 @contextlib.contextmanager

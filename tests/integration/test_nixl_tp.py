@@ -12,7 +12,6 @@ one."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import uuid
 
 import pytest
@@ -28,6 +27,7 @@ from tests.integration.test_nixl_connector import (  # noqa: E402
     _handle,
     _wait,
     _within,
+    piped,
 )
 from tests.tp_caches import (  # noqa: E402
     PAIRS,
@@ -76,23 +76,9 @@ def _prefill_main(conn) -> None:
 
 @pytest.fixture(scope="module")
 def prefill():
-    """The module's prefill process (spawned, as test_nixl_connector's senders): its pipe.
-    Told "exit" at the end, killed if it lingers."""
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_main, args=(theirs,), daemon=True)
-    proc.start()
-    theirs.close()
-    try:
+    """The module's prefill process (spawned, as test_nixl_connector's senders): its pipe."""
+    with piped(_prefill_main) as (mine, _):
         yield mine
-    finally:
-        with contextlib.suppress(OSError):
-            mine.send("exit")
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        mine.close()
 
 
 @contextlib.contextmanager
