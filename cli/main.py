@@ -16,6 +16,7 @@ load only when it runs, so the router never loads the engine (or torch).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -100,22 +101,28 @@ def _serve(args, flags: list[Flag]) -> None:
     except ValueError as e:
         fail(str(e))
     warn_if_open(role, service, router)
-    if role == "router":
-        from baton.router.server import serve
+    try:
+        if role == "router":
+            from baton.router.server import serve
 
-        serve(router)
-    elif role == "prefill":
-        from baton.prefill_worker.server import serve
+            serve(router)
+        elif role == "prefill":
+            from baton.prefill_worker.server import serve
 
-        serve(config)
-    elif role == "decode":
-        from baton.decode_worker.server import serve
+            serve(config)
+        elif role == "decode":
+            from baton.decode_worker.server import serve
 
-        serve(config)
-    else:
-        from .colocated import serve
+            serve(config)
+        else:
+            from .colocated import serve
 
-        serve(config, router)
+            serve(config, router)
+    finally:
+        # The service has stopped: what is left is freed as the process exits. Python's
+        # last garbage collection walks every object (torch's and transformers' modules,
+        # a second of a stop); frozen, it walks none.
+        gc.freeze()
 
 
 def serve_address(args: argparse.Namespace) -> str:

@@ -19,6 +19,7 @@ the worker then stops serving.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import multiprocessing.spawn
@@ -279,6 +280,7 @@ def _follow(config: EngineConfig, rank: int, rdv: Rendezvous, spawned: bool,
             elif kind == "capture":
                 runner.maybe_capture_graphs(*args)
             elif kind == "stop":
+                gc.freeze()  # nothing left to collect as the process exits (cli/main.py)
                 return
     except RankDied as e:
         log.error("rank %d: %s; leaving", rank, e)
