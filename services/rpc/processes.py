@@ -25,10 +25,19 @@ def spawn(role: str, address: str, flags: list[str], **popen) -> subprocess.Pope
     return subprocess.Popen(serve_command(role, address, *flags), **popen)
 
 
-def dial(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+# A channel that waits for a service to start tries to connect every POLL_CONNECT_MS:
+# gRPC's own backoff (1 s, then 1.6x) found a service up at 4 s only at 5.2 s, at 7 s
+# only at 9.3 s.
+POLL_CONNECT_MS = 100
+_POLLING = [("grpc.initial_reconnect_backoff_ms", POLL_CONNECT_MS),
+            ("grpc.max_reconnect_backoff_ms", 2 * POLL_CONNECT_MS)]
+
+
+def dial(address: str, credentials: grpc.ChannelCredentials | None = None,
+         options: list | None = None) -> grpc.Channel:
     """A tool's channel to a service: TLS with `credentials`, else plaintext."""
-    return (grpc.secure_channel(address, credentials) if credentials is not None
-            else grpc.insecure_channel(address))
+    return (grpc.secure_channel(address, credentials, options) if credentials is not None
+            else grpc.insecure_channel(address, options))
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
@@ -36,7 +45,7 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float,
     """Block until `address` answers SERVING, or raise if the process died or time ran out
     (`credentials`: TLS to it)."""
     deadline = time.monotonic() + timeout
-    with dial(address, credentials) as channel:
+    with dial(address, credentials, _POLLING) as channel:
         check = _health_check(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
