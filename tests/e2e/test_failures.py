@@ -169,7 +169,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_requests(cluster, offline
 
 def test_decode_worker_killed_mid_stream_hands_over(cluster, offline):
     # Long enough that the tiny model is still decoding when the sixth token arrives.
-    n = 2000
+    n = 600
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0,
                                                     ignore_eos=True))[0]
     until_served(cluster["router"], gen.GenerateRequest(text="hi", sampling=greedy(2)))

@@ -193,14 +193,14 @@ def test_a_frozen_prefill_worker_is_treated_as_dead(faults, offline):
 def test_a_frozen_decode_worker_mid_stream_hands_over(faults, offline):
     router, topo = faults["router"], faults["topology"]
     # Long enough that the tiny model is still decoding when the fourth reply arrives.
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     prompt = "Count the waves as they come in, one by one. "
     ref = offline.generate([prompt], params)[0]
     until_served(router, gen.GenerateRequest(text="hi", sampling=greedy(2)))
     msgs, frozen, arrived = [], [], []  # arrived: from the freeze on
     try:
         with channel(router) as ch:
-            req = gen.GenerateRequest(text=prompt, sampling=greedy(1000, ignore_eos=True))
+            req = gen.GenerateRequest(text=prompt, sampling=greedy(400, ignore_eos=True))
             for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=60):
                 msgs.append(msg)
                 if frozen:

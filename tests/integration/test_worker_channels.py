@@ -21,11 +21,12 @@ from baton.services.rpc.security import Security
 from tests.e2e.certs import CA
 
 # Attempts come 0.25, 0.4, 0.64, then 1 s apart (RECONNECT_FIRST_MS, 1.6x, RECONNECT_MAX_MS,
-# 20% jitter): the tenth at about 7 s. gRPC's own backoff (1 s, 1.6x, to two minutes)
-# makes its tenth wait over 90 s. A loaded machine only delays attempts, so waiting for
-# ten, at most ten times what that takes idle, tells the two apart either way.
-ATTEMPTS = 10
-BOUND_S = 70.0
+# 20% jitter): the seventh at about 4.3 s. gRPC's own backoff (1 s, 1.6x, to two minutes)
+# makes its seventh wait 26 s (21 s at the least, with its jitter). A loaded machine
+# only delays attempts, so waiting for seven, at most 4.6 times what that takes idle,
+# tells the two apart either way.
+ATTEMPTS = 7
+BOUND_S = 20.0
 
 
 def _attempts(listener: socket.socket, done: threading.Event, seen: list[float]) -> None:
