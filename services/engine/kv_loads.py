@@ -30,10 +30,10 @@ Request status is the scheduler's to set; this component never touches it.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 from .block_pool import KVCacheBlock
+from .clock import WALL, Clock
 from .kv_cache_manager import KVCacheManager
 from .kv_connector.base import KVConnector, LoadResult, SavedBlock
 from .request import Request
@@ -51,8 +51,9 @@ class _Load:
 
 
 class KVLoads:
-    def __init__(self, kv: KVCacheManager, connectors: list[KVConnector]):
+    def __init__(self, kv: KVCacheManager, connectors: list[KVConnector], clock: Clock = WALL):
         self.kv = kv
+        self.clock = clock
         self.connectors = connectors
         self.loading: dict[str, Request] = {}  # loads in flight, abandoned ones included
         self._loads: dict[str, _Load] = {}  # by request id
@@ -82,7 +83,7 @@ class KVLoads:
         num_hit = len(hits) * self.kv.block_size
         if not self.kv.allocate_slots(req, num_tokens, hits, publish=False):
             return False
-        req.load_start = now = time.monotonic()
+        req.load_start = now = self.clock.now()
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
             req.num_cached_tokens = num_hit
@@ -105,7 +106,7 @@ class KVLoads:
     def land(self) -> list[tuple[Request, str | None]]:
         self._free_set_aside()
         landed = []
-        now = time.monotonic()
+        now = self.clock.now()
         for rid, load in list(self._loads.items()):
             req = load.req
             if self._peek(load):
@@ -145,10 +146,10 @@ class KVLoads:
 
     def wait(self, budget_s: float) -> None:
         """Sleep-poll until every load in flight is done or `budget_s` has passed."""
-        deadline = time.monotonic() + budget_s
+        deadline = self.clock.now() + budget_s
         pending = [load for load in self._loads.values() if not self._peek(load)]
-        while pending and time.monotonic() < deadline:
-            time.sleep(0.0002)
+        while pending and self.clock.now() < deadline:
+            self.clock.sleep(0.0002)
             pending = [load for load in pending if not self._peek(load)]
 
     def _peek(self, load: _Load) -> bool:

@@ -27,10 +27,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .clock import WALL, Clock
 from .kv_cache_manager import KVCacheManager
 from .kv_connector.base import KVConnector
 from .kv_loads import KVLoads
@@ -93,7 +93,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs",
                  connectors: list[KVConnector] | None = None, lease_timeout_s: float = 30.0,
-                 load_failure_policy: str = "recompute", max_loras: int | None = None):
+                 load_failure_policy: str = "recompute", max_loras: int | None = None,
+                 clock: Clock = WALL):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         if load_failure_policy not in ("recompute", "fail"):
@@ -107,8 +108,9 @@ class Scheduler:
         self.waiting = WaitingQueue(self.priority_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request, leases excluded
+        self.clock = clock  # real time, or the planner's simulated time (clock.py)
         self.leases = LeaseTable(kv, lease_timeout_s)
-        self.loads = KVLoads(kv, connectors or [])
+        self.loads = KVLoads(kv, connectors or [], clock)
         self.load_failure_policy = load_failure_policy
         self.max_loras = max_loras  # LoRA adapters in one step at most (None: no LoRA)
         self.lora_pass_s = LORA_PASS_S
@@ -214,7 +216,7 @@ class Scheduler:
                 if not self._lora_fits(req, live):
                     # It waits for an adapter to leave. Requests that fit pass it for
                     # lora_pass_s; then none does, and the running adapters drain.
-                    now = time.monotonic()
+                    now = self.clock.now()
                     req.lora_blocked_since = req.lora_blocked_since or now
                     if now - req.lora_blocked_since >= self.lora_pass_s:
                         break
@@ -236,7 +238,7 @@ class Scheduler:
                     self.waiting.pop()
                     req.status = RequestStatus.WAITING_FOR_KV
                     if req.scheduled_time is None:
-                        req.scheduled_time = time.monotonic()
+                        req.scheduled_time = self.clock.now()
                     pulls += 1
                     if req.lora_name is not None:
                         live.add(req.lora_name)
@@ -252,7 +254,7 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                     self.kv.record_lookup(req.num_tokens, num_cached)
                 if req.scheduled_time is None:
-                    req.scheduled_time = time.monotonic()
+                    req.scheduled_time = self.clock.now()
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -344,7 +346,7 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_CONSTRAINT)
                 continue
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
+                req.first_token_time = self.clock.now()
             got_token.append(req)
             status = None
             for i, token in enumerate(s.token_ids):
@@ -387,6 +389,6 @@ class Scheduler:
         if loading:
             self.loads.abandon(req)
         elif status == RequestStatus.PREFILLED:
-            req.lease_id = self.leases.grant(req, time.monotonic())
+            req.lease_id = self.leases.grant(req, self.clock.now())
         else:
             self.kv.free(req)
