@@ -8,6 +8,10 @@
     baton health ADDRESS                                   exit 0 if it answers SERVING
     baton bench goodput ...                                goodput at an SLO over request
                                                            rates (tools/bench/goodput.py)
+    baton profile ...                                      this machine's step and hand-off
+                                                           costs (tools/plan/profile.py)
+    baton plan ...                                         the topology for a workload and
+                                                           an SLO (tools/plan/planner.py)
 
 Every flag of `serve` and `up` has a BATON_* variable (cli/flags.py). A role's modules
 load only when it runs, so the router never loads the engine (or torch).
@@ -29,6 +33,8 @@ from .flags import DEFAULT_PORTS, ROLES, WORKERS, Flag, add_flags, fail, values
 
 DEFAULT_ROLE = "colocated"  # `baton serve MODEL`, as `vllm serve MODEL`
 BENCHMARKS = ("goodput",)  # `baton bench NAME`: baton.tools.bench.NAME's main(argv)
+# Commands that parse their own arguments: the module whose main(argv) runs.
+PASSED_ON = {"profile": "baton.tools.plan.profile", "plan": "baton.tools.plan.planner"}
 
 
 def _role_in(argv: list[str]) -> str | None:
@@ -160,7 +166,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Flag]]:
     bench = sub.add_parser("bench", help="a benchmark (goodput: see `baton bench goodput "
                            "--help`)", add_help=False)
     bench.add_argument("benchmark", choices=BENCHMARKS)
-    if command == "bench":  # the benchmark parses the rest itself
+    sub.add_parser("profile", help="measure this machine's engine steps and hand-offs (see "
+                   "`baton profile --help`)", add_help=False)
+    sub.add_parser("plan", help="choose a topology for a workload and an SLO (see "
+                   "`baton plan --help`)", add_help=False)
+    if command in ("bench", *PASSED_ON):  # the module parses the rest itself
         args, rest = parser.parse_known_args(argv)
         args.rest = rest
         return args, []
@@ -183,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         from importlib import import_module
 
         import_module(f"baton.tools.bench.{args.benchmark}").main(args.rest)
+    elif args.command in PASSED_ON:
+        from importlib import import_module
+
+        import_module(PASSED_ON[args.command]).main(args.rest)
     elif args.command == "health":
         from baton.services.rpc.processes import is_serving
         from baton.services.rpc.security import client_credentials

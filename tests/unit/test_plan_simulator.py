@@ -1,0 +1,93 @@
+"""The planner's simulator on a hand-made profile, against step times computed by hand:
+a lone request's TTFT is the sum of its prefill chunks' times plus the hand-off, a
+decode batch's inter-token gap is its step time, the first gap after a hand-off is the
+hand-off, the pull and one step; runs are the same for the same seed; and the step
+model, fitted to steps of known cost, gives that cost back."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.router.policy import Policy
+from baton.tools.bench.goodput_load import Job, arrivals, jobs
+from baton.tools.plan.simulator import Simulation, Topology, named, simulate
+from baton.tools.plan.step_model import StepModel
+
+D, P, S = 0.020, 0.001, 0.0005  # a decode step's base, per extra token, per sequence
+HAND = {"pull_fixed_s": 0.010, "pull_per_block_s": 0.0004, "to_prefill_s": 0.003,
+        "to_decode_s": 0.004}
+
+
+def profile(k_seq: float = 0.0) -> dict:
+    model = StepModel((1, 2), (D, D + P), k_seq, 0.0).to_json()
+    engine = {"threads": 1, "tensor_parallel": 1, "block_bytes": 368640,  # SmolLM2-135M, bf16
+              "max_model_len": 4096, "model": model}
+    return {"block_size": 16, "engines": [engine, {**engine, "threads": 2}],
+            "handoff": {"nixl": HAND}}
+
+
+def step(tokens: int, seqs: int = 1, k_seq: float = 0.0) -> float:
+    return D + P * (tokens - 1) + k_seq * seqs
+
+
+def test_a_lone_requests_ttft_is_its_chunks_plus_the_hand_off():
+    topo = Topology("pd", policy=Policy(disaggregation="always"), max_num_batched_tokens=32)
+    sim = Simulation(topo, profile())
+    (t,) = sim.run([Job(list(range(100, 200)), 4)], [0.25])
+    chunks = [32, 32, 32, 4]  # 100 prompt tokens in steps of at most 32
+    assert t.ttft == pytest.approx(sum(step(n) for n in chunks) + HAND["to_prefill_s"])
+    blocks = -(-100 // 16)
+    pull = HAND["pull_fixed_s"] + HAND["pull_per_block_s"] * blocks
+    # The first gap: the router hands it over, the decode worker pulls, then one step
+    # (the pull outlasts the scheduler's 5 ms wait for it: it lands as its own event).
+    assert t.itls[0] == pytest.approx(HAND["to_decode_s"] + pull + step(1))
+    assert t.itls[1:] == pytest.approx([step(1)] * 2)
+    assert sim.sims["prefill-0"].pool.num_free_blocks == sim.sims["prefill-0"].pool.num_blocks - 1
+    assert sim.sims["decode-0"].pool.num_free_blocks == sim.sims["decode-0"].pool.num_blocks - 1
+
+
+def test_a_prompt_joins_the_running_decode_and_then_both_decode_together():
+    k = 0.002
+    sim = Simulation(named("colocated", decode_threads=1), profile(k))
+    a, b = sim.run([Job(list(range(100, 120)), 6), Job(list(range(300, 320)), 6)], [0.0, 0.0])
+    hop = HAND["to_prefill_s"]
+    # a's prompt alone (the engine was idle when it came), then b's prompt beside a's
+    # first decode, then both decode in every step.
+    assert a.ttft == pytest.approx(step(20, 1, k) + hop)
+    assert b.ttft == pytest.approx(step(20, 1, k) + step(21, 2, k) + hop)
+    assert a.itls == pytest.approx([step(21, 2, k)] + [step(2, 2, k)] * 4)
+    assert b.itls == pytest.approx([step(2, 2, k)] * 4 + [step(1, 1, k)])
+
+
+def test_local_prefill_when_the_prompt_is_short():
+    sim = Simulation(named("pd"), profile())  # auto: 32 tokens or fewer stay on decode
+    (t,) = sim.run([Job(list(range(100, 120)), 3)], [0.0])
+    assert t.ttft == pytest.approx(step(20) + HAND["to_prefill_s"])
+    assert sim.sims["prefill-0"].steps == 0 and sim.sims["decode-0"].steps == 3
+
+
+def test_the_same_seed_gives_the_same_run_and_the_pools_end_empty():
+    work, sent = jobs("w3", 30, 0, 49152), arrivals(30, 2.0, 1.0, 0)
+    slos = {"ttft": 2000.0, "tpot": 70.0}
+    runs = [simulate(named(t), profile(), work, sent, slos) for t in ("pd", "pd")]
+    assert runs[0] == runs[1]
+    assert runs[0]["completed"] == 30
+    sim = Simulation(named("pd"), profile())
+    sim.run(work, sent)
+    for w in sim.sims.values():  # every block back, no lease left
+        assert w.pool.num_free_blocks == w.pool.num_blocks - 1
+        assert not w.scheduler.leases and not w.scheduler.has_unfinished_requests()
+
+
+def test_the_step_model_gives_back_the_costs_it_was_fitted_to():
+    truth = StepModel((1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                      (0.02, 0.021, 0.022, 0.024, 0.03, 0.04, 0.06, 0.1, 0.18, 0.34),
+                      0.0003, 0.00002)
+    batches = [[(n, c)] for n in (1, 16, 64, 128, 256, 512) for c in (0, 256, 1024)]
+    batches += [[(1, c)] * b for b in (2, 4, 8, 32) for c in (128, 1024)]
+    batches += [[(1, 500)] * 4 + [(200, 0)], [(1, 100)] * 16 + [(64, 512)]]
+    fitted = StepModel.fit([(b, truth.predict(b)) for b in batches])
+    for b in ([(300, 700)], [(1, 2000)] * 12, [(1, 64)] * 3 + [(100, 0)]):
+        assert fitted.predict(b) == pytest.approx(truth.predict(b), rel=0.02)
+    with pytest.raises(ValueError, match="at least 4"):
+        StepModel.fit([([(1, 0)], 0.02)])

@@ -1,0 +1,235 @@
+"""`baton plan`: the topology that serves a workload at a rate with the most goodput at
+an SLO on N cores, found by simulating each candidate (simulator.py) on a profile of
+this machine (profile.py).
+
+    baton plan --profile profile.json --workload w3 --rate 0.75 \\
+        --slo-ttft-ms 2000 --slo-itl-ms 70 --cores 2 [--max-rate] [--out plan.json]
+
+Candidates on N cores: colocated (k engines of t threads behind the router, computing
+their own prompts) and disaggregated (p prefill + d decode engines, each role's threads
+and tensor-parallel size among those profiled, the router's `--disaggregation` auto or
+always, its local-prefill thresholds), each with the step budget (chunk size) and batch
+limits given. Each is simulated on the same requests (every seed's), scored as the
+goodput benchmark scores a run (ITL's SLO is judged on TPOT, each request's mean gap,
+as vLLM's `--goodput tpot:`), and ranked by goodput, then attainment, then fewer
+engines. It prints the best few with their predicted percentiles, the best colocated
+one beside them, and why the first won; `--max-rate` then finds the highest rate each of
+those holds at `--attainment`. `--out` writes the first choice as a plan `baton up
+--plan` starts, with the Kubernetes replica counts and per-role flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from baton.router.policy import Policy
+from baton.tools.bench.goodput_load import WORKLOADS, Job, arrivals, jobs
+from baton.tools.bench.goodput_stats import Timing, summarize
+
+from .simulator import Simulation, Topology
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="baton plan", description=(__doc__ or "").split(
+        "\n\n")[0])
+    ap.add_argument("--profile", type=Path, required=True, help="from `baton profile`")
+    ap.add_argument("--workload", choices=WORKLOADS, default="chat")
+    ap.add_argument("--trace", type=Path, help="JSON lines of {t, input_len, output_len} "
+                    "(seconds from the start): replayed instead of --workload at --rate")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    ap.add_argument("--slo-ttft-ms", type=float, required=True)
+    ap.add_argument("--slo-itl-ms", type=float, required=True)
+    ap.add_argument("--cores", type=int, required=True)
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[2048],
+                    help="max_num_batched_tokens values to try")
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256])
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--max-rate", action="store_true")
+    ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    return ap.parse_args(argv)
+
+
+def requests(args, vocab: int = 49152) -> list[tuple[list[Job], list[float]]]:
+    """One (jobs, send times) per seed: the workload at --rate, or the trace as it is."""
+    if args.trace:
+        rows = [json.loads(line) for line in args.trace.read_text().splitlines() if line]
+        rng = random.Random(0)
+        work = [Job([rng.randrange(100, vocab - 1) for _ in range(r["input_len"])],
+                    r["output_len"]) for r in rows]
+        return [(work, [float(r["t"]) for r in rows])]
+    return [(jobs(args.workload, args.num_prompts, seed, vocab),
+             arrivals(args.num_prompts, args.rate, 1.0, seed)) for seed in args.seeds]
+
+
+def engines(profile: dict) -> list[tuple[int, int]]:
+    """The (threads, TP) engines the profile measured."""
+    return sorted({(e["threads"], e.get("tensor_parallel", 1)) for e in profile["engines"]})
+
+
+def candidates(profile: dict, cores: int, chunks: list[int], seqs: list[int]
+               ) -> list[Topology]:
+    out = []
+    kinds = engines(profile)
+    for (t, tp), chunk, n in itertools.product(kinds, chunks, seqs):
+        per = t * tp
+        for k in range(1, cores // per + 1):  # colocated: k engines
+            out.append(Topology(f"colocated x{k} ({t}t" + (f" tp{tp}" if tp > 1 else "") + ")",
+                                prefill=0, decode=k, decode_threads=t, decode_tp=tp,
+                                policy=Policy(disaggregation="never"),
+                                max_num_batched_tokens=chunk, max_num_seqs=n))
+    for (pt, ptp), (dt, dtp), chunk, n in itertools.product(kinds, kinds, chunks, seqs):
+        for p in range(1, cores):
+            for d in range(1, cores):
+                if p * pt * ptp + d * dt * dtp > cores:
+                    continue
+                for policy in (Policy(disaggregation="always"), Policy(),
+                               Policy(local_prefill_queue=0.0)):
+                    mode = {"always": "always", "auto": "auto"}[policy.disaggregation]
+                    if policy.disaggregation == "auto" and not policy.local_prefill_queue:
+                        mode = "auto, no queue rule"
+                    out.append(Topology(
+                        f"{p}P({pt}t{'' if ptp == 1 else f' tp{ptp}'}) + "
+                        f"{d}D({dt}t{'' if dtp == 1 else f' tp{dtp}'}) {mode}",
+                        prefill=p, decode=d, prefill_threads=pt, decode_threads=dt,
+                        prefill_tp=ptp, decode_tp=dtp, policy=policy,
+                        max_num_batched_tokens=chunk, max_num_seqs=n))
+    return out
+
+
+def score(topology: Topology, profile: dict, runs, slos: dict, kv_gib: float) -> dict:
+    """The simulated result over every seed's requests, pooled as the benchmark pools
+    its seeds: each seed its own run on a fresh topology, one after the other."""
+    pooled: list[Timing] = []
+    offset = 0.0
+    for work, sent in runs:
+        timings = Simulation(topology, profile, kv_cache_gib=kv_gib).run(work, sent)
+        end = max([t.token_times[-1] for t in timings if t.ok] + [t.sent for t in timings])
+        pooled += [shifted(t, offset) for t in timings]
+        offset += end
+    return summarize(pooled, slos)
+
+
+def shifted(t: Timing, by: float) -> Timing:
+    return replace(t, sent=t.sent + by, token_times=[x + by for x in t.token_times])
+
+
+def rank_key(topology: Topology, r: dict) -> tuple:
+    return (-(r["request_goodput"] or 0.0), -(r["slo_attainment"] or 0.0),
+            topology.prefill + topology.decode)
+
+
+def max_rate(topology: Topology, profile: dict, args, slos: dict, start: float) -> float:
+    """The highest rate whose simulated attainment is at least --attainment: doubling
+    from `start` until one fails, then bisecting (the benchmark's search), 0 if even
+    1/16 of `start` fails."""
+
+    def holds(rate: float) -> bool:
+        runs = requests(argparse.Namespace(**{**vars(args), "rate": rate}))
+        return score(topology, profile, runs, slos, args.kv_cache_gib)["slo_attainment"] \
+            >= args.attainment
+
+    lo, hi = 0.0, start
+    while holds(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e4:
+            return lo
+    if lo == 0.0:
+        hi2 = hi
+        while hi2 > start / 16:
+            hi2 /= 2
+            if holds(hi2):
+                lo, hi = hi2, hi2 * 2
+                break
+        else:
+            return 0.0
+    for _ in range(5):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return lo
+
+
+def why(best: tuple[Topology, dict], colo: tuple[Topology, dict] | None, slos: dict) -> str:
+    t, r = best
+    if colo is None or colo[0] is t:
+        return f"{t.name} holds the most goodput of every candidate"
+    c, rc = colo
+    worse = []
+    for metric, key in (("TTFT", "p90_ttft_ms"), ("TPOT", "p90_tpot_ms")):
+        slo = 1000 * slos["ttft" if metric == "TTFT" else "tpot"]
+        if rc[key] > slo >= r[key]:
+            worse.append(f"{metric} P90 {rc[key]:.0f} ms against the SLO's {slo:.0f}")
+    gain = (r["request_goodput"] or 0) / max(rc["request_goodput"] or 0, 1e-9)
+    return (f"{t.name}: {r['request_goodput']:.2f} good requests/s against "
+            f"{rc['request_goodput']:.2f} colocated ({c.name}, {gain:.2f}x)"
+            + (f"; colocated misses {', and '.join(worse)}" if worse else ""))
+
+
+def line(t: Topology, r: dict) -> str:
+    return (f"{t.name:<34} goodput {r['request_goodput']:6.2f}/s attain "
+            f"{100 * r['slo_attainment']:5.1f}%  TTFT p50 {r['median_ttft_ms']:7.0f} p90 "
+            f"{r['p90_ttft_ms']:7.0f} ms  TPOT p90 {r['p90_tpot_ms']:6.1f}  ITL p90 "
+            f"{r['p90_itl_ms']:6.1f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    profile = json.loads(args.profile.read_text())
+    slos = {"ttft": args.slo_ttft_ms / 1000, "tpot": args.slo_itl_ms / 1000}  # seconds
+    runs = requests(args)
+    print(f"profile: {profile.get('cpu', '?')}")
+    print(f"workload {args.trace or args.workload} at {args.rate}/s on {args.cores} cores, "
+          f"SLO TTFT {args.slo_ttft_ms:.0f} ms, ITL (TPOT) {args.slo_itl_ms:.0f} ms "
+          "(predicted by simulation, not measured)")
+    scored = [(t, score(t, profile, runs, slos, args.kv_cache_gib))
+              for t in candidates(profile, args.cores, args.chunk, args.max_num_seqs)]
+    scored.sort(key=lambda x: rank_key(*x))
+    colo = next((x for x in scored if x[0].prefill == 0), None)
+    shown = scored[:args.top] + ([colo] if colo and colo not in scored[:args.top] else [])
+    for t, r in shown:
+        print(("beside them: " if colo is not None and t is colo[0]
+               and colo not in scored[:args.top] else "") + line(t, r))
+    print("chose " + why(scored[0], colo, slos))
+    if args.max_rate:
+        for t, _ in shown:
+            rate = max_rate(t, profile, args, slos, max(args.rate, 0.125))
+            print(f"max rate at {100 * args.attainment:.0f}% attainment: {t.name}: "
+                  f"{rate:.2f}/s")
+    if args.out:
+        args.out.write_text(json.dumps(plan_file(scored[0][0], scored[0][1], args), indent=1))
+        print(f"wrote {args.out}")
+
+
+def plan_file(t: Topology, r: dict, args) -> dict:
+    """What `baton up --plan` starts, and the Kubernetes replicas and flags per role."""
+    engine = ["--max-num-batched-tokens", str(t.max_num_batched_tokens),
+              "--max-num-seqs", str(t.max_num_seqs), "--kv-cache-gib", str(args.kv_cache_gib)]
+    p = t.policy
+    router = ["--disaggregation", p.disaggregation,
+              "--local-prefill-tokens", str(p.local_prefill_tokens),
+              "--local-prefill-queue", str(p.local_prefill_queue)]
+    roles = {"decode": {"replicas": t.decode, "flags": [
+        *engine, "--threads", str(t.decode_threads),
+        "--tensor-parallel-size", str(t.decode_tp)]}}
+    if t.prefill:
+        roles["prefill"] = {"replicas": t.prefill, "flags": [
+            *engine, "--threads", str(t.prefill_threads),
+            "--tensor-parallel-size", str(t.prefill_tp)]}
+    return {"topology": {**asdict(replace(t, policy=Policy())), "policy": asdict(p)},
+            "roles": roles, "router": {"flags": router},
+            "predicted": {k: r[k] for k in ("request_goodput", "slo_attainment",
+                                            "p90_ttft_ms", "p90_tpot_ms", "p90_itl_ms")},
+            "workload": str(args.trace or args.workload), "rate": args.rate,
+            "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}}
+
+
+if __name__ == "__main__":
+    main()
