@@ -40,3 +40,34 @@ def test_a_loose_itl_target_needs_no_prefill_worker(tmp_path, capsys):
     chosen, text = plan(tmp_path, capsys, 200)
     assert "prefill" not in chosen["roles"], text  # every candidate meets it: fewest engines
     assert chosen["predicted"]["slo_attainment"] == 1.0
+
+
+def test_the_check_replays_the_benchmarks_own_requests(tmp_path, capsys):
+    """A result file written as the benchmark writes one (its runs' fields), here from
+    the simulator itself: the check must replay exactly those requests, so each of its
+    predictions equals the 'measured' figure, and its highest-rate search agrees with
+    the best passing rate among them."""
+    from baton.tools.bench.goodput_stats import parse_slos
+    from baton.tools.plan.check import check, requests_of
+    from baton.tools.plan.planner import score
+    from baton.tools.plan.simulator import named
+
+    slos_ms = ["ttft:5000", "tpot:30"]
+    runs = []
+    for rate in (1.0, 3.0):
+        run = {"topology": "pd", "workload": "w3", "request_rate": rate, "seeds": [0, 1],
+               "num_prompts": 20, "burstiness": 1.0}
+        run.update(score(named("pd"), profile(), requests_of(run), parse_slos(slos_ms), 1.0))
+        runs.append(run)
+    path = tmp_path / "goodput-w3.json"
+    path.write_text(json.dumps({"workload": "w3", "slos_ms": slos_ms, "runs": runs}))
+    rows = check(profile(), [path], 0.9)
+    for row in rows[:2]:
+        for key in ("slo_attainment", "p90_ttft_ms", "p90_itl_ms", "p90_tpot_ms"):
+            assert row["predicted"][key] == row["measured"][key]
+    assert "(measured / predicted)" in capsys.readouterr().out
+    (top,) = rows[2:]
+    passing = [r["request_rate"] for r in runs if r["slo_attainment"] >= 0.9]
+    assert passing == [1.0]  # 3/s does not hold
+    # The search starts at the best measured rate, which holds on the same requests.
+    assert top["max_rate_predicted"] >= 1.0

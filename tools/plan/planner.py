@@ -38,13 +38,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="baton plan", description=(__doc__ or "").split(
         "\n\n")[0])
     ap.add_argument("--profile", type=Path, required=True, help="from `baton profile`")
+    ap.add_argument("--check", type=Path, nargs="+", metavar="JSON",
+                    help="no search: the goodput benchmark's result files, each run beside "
+                    "the simulator's prediction for it (check.py)")
     ap.add_argument("--workload", choices=WORKLOADS, default="chat")
     ap.add_argument("--trace", type=Path, help="JSON lines of {t, input_len, output_len} "
                     "(seconds from the start): replayed instead of --workload at --rate")
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
-    ap.add_argument("--slo-ttft-ms", type=float, required=True)
-    ap.add_argument("--slo-itl-ms", type=float, required=True)
-    ap.add_argument("--cores", type=int, required=True)
+    ap.add_argument("--slo-ttft-ms", type=float)
+    ap.add_argument("--slo-itl-ms", type=float)
+    ap.add_argument("--cores", type=int)
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--chunk", type=int, nargs="+", default=[2048],
@@ -55,7 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--out", type=Path)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.check and None in (args.slo_ttft_ms, args.slo_itl_ms, args.cores):
+        ap.error("--slo-ttft-ms, --slo-itl-ms and --cores are required (or --check)")
+    return args
 
 
 def requests(args, vocab: int = 49152) -> list[tuple[list[Job], list[float]]]:
@@ -183,6 +189,12 @@ def line(t: Topology, r: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     profile = json.loads(args.profile.read_text())
+    if args.check:
+        from .check import check
+
+        print(f"profile: {profile.get('cpu', '?')}")
+        check(profile, args.check, args.attainment)
+        return
     slos = {"ttft": args.slo_ttft_ms / 1000, "tpot": args.slo_itl_ms / 1000}  # seconds
     runs = requests(args)
     print(f"profile: {profile.get('cpu', '?')}")

@@ -1,0 +1,83 @@
+"""The simulator's predictions beside what the goodput benchmark measured:
+
+    baton plan --profile profile.json --check goodput-w3-*.json [--attainment 0.9]
+
+For each measured run (a topology at a rate, every seed's requests) the same requests are
+simulated on the same topology (the benchmark's names: pd, pd-always, decode2, colocated,
+...) at the workers' settings the benchmark uses (1 GiB of KV, prefix caching off unless
+the run says otherwise), and both are printed: attainment, P90 TTFT, P90 ITL, P90 TPOT.
+Then, per topology, the highest measured rate at the attainment among the runs, beside
+the simulator's own search for it (planner.max_rate). Each ratio is predicted over
+measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from baton.tools.bench.goodput_load import arrivals, jobs
+from baton.tools.bench.goodput_stats import parse_slos
+
+from .simulator import named
+
+FIELDS = (("attain", "slo_attainment", 100.0), ("P90 TTFT", "p90_ttft_ms", 1.0),
+          ("P90 ITL", "p90_itl_ms", 1.0), ("P90 TPOT", "p90_tpot_ms", 1.0))
+
+
+def runs_of(files: list[Path]) -> list[tuple[dict, dict]]:
+    """(run, its file's header) for every run in the benchmark's result files."""
+    out = []
+    for path in files:
+        data = json.loads(path.read_text())
+        out += [(r, data) for r in data["runs"]]
+    return out
+
+
+def requests_of(run: dict) -> list:
+    """The run's requests, seed by seed, as the benchmark sent them."""
+    per_seed = run["num_prompts"] // len(run["seeds"])
+    return [(jobs(run["workload"], per_seed, seed, 49152),
+             arrivals(per_seed, run["request_rate"], run.get("burstiness", 1.0), seed))
+            for seed in run["seeds"]]
+
+
+def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
+    from .planner import max_rate, score
+
+    rows, best = [], {}
+    for run, header in runs_of(files):
+        slos = parse_slos(header["slos_ms"])
+        topology = named(run["topology"])
+        predicted = score(topology, profile, requests_of(run), slos, 1.0)
+        rows.append({"topology": run["topology"], "workload": run["workload"],
+                     "rate": run["request_rate"], "measured": run, "predicted": predicted})
+        if run["slo_attainment"] >= attainment:
+            top = best.get(run["topology"])
+            if top is None or run["request_rate"] > top["request_rate"]:
+                best[run["topology"]] = run
+        best.setdefault(run["topology"], None)
+        header["_slos"] = slos
+    for row in rows:
+        m, p = row["measured"], row["predicted"]
+        cols = [f"{name} {scale * m[key]:7.1f} / {scale * p[key]:7.1f}"
+                for name, key, scale in FIELDS]
+        print(f"{row['topology']:<10} {row['workload']:<6} rate {row['rate']:5.2f}/s  "
+              + "  ".join(cols) + "   (measured / predicted)")
+    for name, run in best.items():
+        sample = next(r for r, _ in runs_of(files) if r["topology"] == name)
+        header = next(h for r, h in runs_of(files) if r["topology"] == name)
+        args = argparse.Namespace(trace=None, workload=sample["workload"],
+                                  num_prompts=sample["num_prompts"] // len(sample["seeds"]),
+                                  seeds=sample["seeds"], kv_cache_gib=1.0,
+                                  attainment=attainment, rate=1.0)
+        start = run["request_rate"] if run else sample["request_rate"]
+        rate = max_rate(named(name), profile, args, parse_slos(header["slos_ms"]), start)
+        measured = f"{run['request_rate']:.2f}/s" if run else "none of its rates"
+        ratio = f" ({rate / run['request_rate']:.2f}x)" if run else ""
+        print(f"highest rate at {100 * attainment:.0f}%: {name:<10} measured {measured}, "
+              f"predicted {rate:.2f}/s{ratio}")
+        rows.append({"topology": name, "max_rate_measured": run and run["request_rate"],
+                     "max_rate_predicted": rate})
+    return rows
