@@ -31,7 +31,7 @@ from baton.router.policy import Policy
 from baton.tools.bench.goodput_load import WORKLOADS, Job, arrivals, jobs
 from baton.tools.bench.goodput_stats import Timing, summarize
 
-from .simulator import Simulation, Topology
+from .simulator import Simulation, Topology, named
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slo-ttft-ms", type=float)
     ap.add_argument("--slo-itl-ms", type=float)
     ap.add_argument("--cores", type=int)
+    ap.add_argument("--topology", nargs="+", metavar="NAME",
+                    help="no search: only these of the goodput benchmark's topologies "
+                    "(pd, pd-always, pd-never, decode2, colocated), e.g. with --max-rate")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--chunk", type=int, nargs="+", default=[2048],
@@ -59,8 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if not args.check and None in (args.slo_ttft_ms, args.slo_itl_ms, args.cores):
-        ap.error("--slo-ttft-ms, --slo-itl-ms and --cores are required (or --check)")
+    if not args.check and None in (args.slo_ttft_ms, args.slo_itl_ms):
+        ap.error("--slo-ttft-ms and --slo-itl-ms are required (or --check)")
+    if not args.check and not args.topology and args.cores is None:
+        ap.error("--cores is required (or --topology, or --check)")
     return args
 
 
@@ -198,17 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     slos = {"ttft": args.slo_ttft_ms / 1000, "tpot": args.slo_itl_ms / 1000}  # seconds
     runs = requests(args)
     print(f"profile: {profile.get('cpu', '?')}")
-    print(f"workload {args.trace or args.workload} at {args.rate}/s on {args.cores} cores, "
+    where = f"{args.cores} cores" if args.cores else "the topologies given"
+    print(f"workload {args.trace or args.workload} at {args.rate}/s on {where}, "
           f"SLO TTFT {args.slo_ttft_ms:.0f} ms, ITL (TPOT) {args.slo_itl_ms:.0f} ms "
           "(predicted by simulation, not measured)")
-    scored = [(t, score(t, profile, runs, slos, args.kv_cache_gib))
-              for t in candidates(profile, args.cores, args.chunk, args.max_num_seqs)]
+    tried = ([named(t) for t in args.topology] if args.topology else
+             candidates(profile, args.cores, args.chunk, args.max_num_seqs))
+    scored = [(t, score(t, profile, runs, slos, args.kv_cache_gib)) for t in tried]
     scored.sort(key=lambda x: rank_key(*x))
     colo = next((x for x in scored if x[0].prefill == 0), None)
-    shown = scored[:args.top] + ([colo] if colo and colo not in scored[:args.top] else [])
+    top = scored if args.topology else scored[:args.top]
+    shown = top + ([colo] if colo and colo not in top else [])
     for t, r in shown:
         print(("beside them: " if colo is not None and t is colo[0]
-               and colo not in scored[:args.top] else "") + line(t, r))
+               and colo not in top else "") + line(t, r))
     print("chose " + why(scored[0], colo, slos))
     if args.max_rate:
         for t, _ in shown:
