@@ -88,31 +88,33 @@ def engines(profile: dict) -> list[tuple[int, int]]:
 
 def candidates(profile: dict, cores: int, chunks: list[int], seqs: list[int]
                ) -> list[Topology]:
+    """Every way to fill the cores with engines the profile measured: colocated (as many
+    engines of one kind as fit), and p prefill engines with as many decode engines as
+    the remaining cores hold, for each p, each role's kind, and three router policies.
+    Cores left idle never help, so only full (or nearly full) machines are tried."""
     out = []
     kinds = engines(profile)
     for (t, tp), chunk, n in itertools.product(kinds, chunks, seqs):
-        per = t * tp
-        for k in range(1, cores // per + 1):  # colocated: k engines
+        k = cores // (t * tp)
+        if k:
             out.append(Topology(f"colocated x{k} ({t}t" + (f" tp{tp}" if tp > 1 else "") + ")",
                                 prefill=0, decode=k, decode_threads=t, decode_tp=tp,
                                 policy=Policy(disaggregation="never"),
                                 max_num_batched_tokens=chunk, max_num_seqs=n))
     for (pt, ptp), (dt, dtp), chunk, n in itertools.product(kinds, kinds, chunks, seqs):
         for p in range(1, cores):
-            for d in range(1, cores):
-                if p * pt * ptp + d * dt * dtp > cores:
-                    continue
-                for policy in (Policy(disaggregation="always"), Policy(),
-                               Policy(local_prefill_queue=0.0)):
-                    mode = {"always": "always", "auto": "auto"}[policy.disaggregation]
-                    if policy.disaggregation == "auto" and not policy.local_prefill_queue:
-                        mode = "auto, no queue rule"
-                    out.append(Topology(
-                        f"{p}P({pt}t{'' if ptp == 1 else f' tp{ptp}'}) + "
-                        f"{d}D({dt}t{'' if dtp == 1 else f' tp{dtp}'}) {mode}",
-                        prefill=p, decode=d, prefill_threads=pt, decode_threads=dt,
-                        prefill_tp=ptp, decode_tp=dtp, policy=policy,
-                        max_num_batched_tokens=chunk, max_num_seqs=n))
+            d = (cores - p * pt * ptp) // (dt * dtp)
+            if d < 1:
+                break
+            for policy, mode in ((Policy(disaggregation="always"), "always"),
+                                 (Policy(), "auto"),
+                                 (Policy(local_prefill_queue=0.0), "auto, no queue rule")):
+                out.append(Topology(
+                    f"{p}P({pt}t{'' if ptp == 1 else f' tp{ptp}'}) + "
+                    f"{d}D({dt}t{'' if dtp == 1 else f' tp{dtp}'}) {mode}",
+                    prefill=p, decode=d, prefill_threads=pt, decode_threads=dt,
+                    prefill_tp=ptp, decode_tp=dtp, policy=policy,
+                    max_num_batched_tokens=chunk, max_num_seqs=n))
     return out
 
 

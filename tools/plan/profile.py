@@ -15,6 +15,8 @@ in one JSON file for the simulator (simulator.py) and the planner (planner.py).
    decode worker's KV pull time (its Timings) gives the transfer's cost per block; the
    first token's wait beyond the prefill (router and RPCs) and the second token's gap
    beyond the pull and one decode step give the control plane's cost.
+3. Each engine served (calibrate.py): its steps' cost there against offline, as two
+   factors the simulator scales its steps by.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+from .calibrate import in_service
 from .step_model import Entry, StepModel, fit_error
 
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024)
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--transports", nargs="*", default=["nixl", "grpc"],
                     help="KV transports whose hand-off is measured (none: skip)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-in-service", dest="in_service", action="store_false",
+                    help="skip serving each engine to measure its steps there (calibrate.py)")
     ap.add_argument("--quick", action="store_true",
                     help="a few points of each sweep (a check that it runs, not a profile)")
     ap.add_argument("--out", type=Path, default=Path("profile.json"))
@@ -220,6 +225,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{1000 * h['pull_per_block_s']:.3f} ms/block, to prefill "
               f"{1000 * h['to_prefill_s']:.1f} ms, to decode {1000 * h['to_decode_s']:.1f} ms",
               flush=True)
+    hop = next(iter(handoffs.values()), {}).get("to_prefill_s", 0.0)
+    for e in engines if args.in_service else []:
+        if e["tensor_parallel"] == 1:
+            e["service"] = f = in_service(args, e["threads"], StepModel.from_json(e["model"]),
+                                          hop)
+            if f:
+                print(f"threads {e['threads']} served ({f['topology']}): prefill x"
+                      f"{f['prefill']:.2f}, decode x{f['decode']:.2f} the offline steps",
+                      flush=True)
     out = {"cpu": cpu_line(), "model": args.model or "default", "dtype": args.dtype,
            "block_size": 16, "cores": len(os.sched_getaffinity(0)), "engines": engines,
            "handoff": handoffs, "seconds": round(time.monotonic() - t0, 1)}

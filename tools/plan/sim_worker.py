@@ -32,6 +32,7 @@ from baton.services.worker.messages import kv_events_message
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 
+from .calibrate import factor
 from .step_model import StepModel
 
 TOKEN = 100  # what every simulated step samples (ignore_eos: never an end by itself)
@@ -87,8 +88,10 @@ class SimWorker:
                  pull: tuple[float, float] = (0.0, 0.0),
                  on_token: Callable[[Request, float], None] = lambda r, t: None,
                  on_end: Callable[[Request, float], None] = lambda r, t: None,
-                 on_pulled: Callable[[str, float], None] = lambda rid, t: None):
+                 on_pulled: Callable[[str, float], None] = lambda rid, t: None,
+                 service: dict | None = None):
         self.name, self.role, self.model, self.at = name, role, model, at
+        self.service = service  # served over offline step costs (calibrate.py)
         self.engine_id = f"{role}-{name}"
         self.clock = WorkerClock()
         self.events = KvEventLog()
@@ -128,7 +131,7 @@ class SimWorker:
         if not out.scheduled:
             return  # waiting for a pull to land, or for blocks: a later event kicks
         batch = [(n, r.num_computed_tokens) for r, n in out.scheduled]
-        seconds = self.model.predict(batch)
+        seconds = self.model.predict(batch) * factor(self.service, batch)
         self.stepping = True
         self.busy_s += seconds
         self.steps += 1

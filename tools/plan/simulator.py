@@ -145,7 +145,7 @@ class Simulation:
                                 self.block_size, topology.max_num_seqs,
                                 topology.max_num_batched_tokens, engine["max_model_len"],
                                 prefix_caching, self.at, pull, self._token, self._ended,
-                                self._pulled)
+                                self._pulled, engine.get("service"))
                 address = f"{role}-{i}"
                 self.sims[address] = sim
                 workers[role].append(Worker(address, role, _Client(sim)))  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""What an engine's steps cost inside a service, against the same steps offline.
+
+The offline profile times `engine.step()` alone on its cores. A served engine shares them
+with its gRPC server, the router's streams and, colocated, its in-process router (one
+interpreter, one GIL): measured on a 2-core Xeon, a colocated engine on two threads
+decoded a token in 52 ms served where the offline profile said 31 ms (an OpenMP team of
+two waits for whichever thread the server's work took a core from), and one on one
+thread in 49 ms against 46. So `baton profile` also serves each engine, as the goodput
+benchmark's topologies serve it, sends prompts one at a time, and keeps two factors per
+engine, measured over predicted:
+
+    prefill   the first token's time (past the router's hop) over the prompt's step
+    decode    the median gap between later tokens over one decode step at that context
+
+The simulator scales each step by them (sim_worker.py: by the share of its tokens that
+are prompt tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+from .step_model import StepModel
+
+# The goodput benchmark's topology that serves one engine of `threads` threads (on the
+# first cores): two single-thread decode workers, or one colocated worker on two cores.
+SERVED = {1: "decode2", 2: "colocated"}
+PROMPTS = (256, 1024)
+OUTPUT = 24
+
+
+def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | None:
+    """The factors of the engine with `threads` threads, or None where no benchmark
+    topology serves that engine alone."""
+    from baton.tools.bench.goodput_load import Job, run
+    from baton.tools.bench.goodput_topology import started
+
+    topology = SERVED.get(threads)
+    if topology is None:
+        return None
+    flags = ["--dtype", args.dtype, "--kv-cache-gib", "1", "--no-enable-prefix-caching",
+             *(["--model", args.model] if args.model else [])]
+    router = ["--model", args.model] if args.model else []
+    rng = random.Random(2)
+    prefill, decode = [], []
+    lengths = PROMPTS[:1] if args.quick else PROMPTS
+    with started(topology, flags, router) as served:
+        for _ in range(args.repeats + 1):
+            for n in lengths:
+                job = Job([rng.randrange(100, 49000) for _ in range(n)], OUTPUT)
+                (t,) = asyncio.run(run([job], [0.0], "grpc", served.grpc))
+                if not t.ok:
+                    raise RuntimeError(f"a calibration probe failed: {t.error}")
+                prefill.append((t.ttft - hop_s) / model.predict([(n, 0)]))
+                gaps = sorted(t.itls[1:])  # past the first (a local prefill's own step)
+                decode.append(statistics.median(gaps) / model.predict([(1, n + OUTPUT // 2)]))
+    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode),
+            "topology": topology, "probes": len(prefill)}
+
+
+def factor(service: dict | None, batch: list[tuple[int, int]]) -> float:
+    """The scale of one step: the decode factor for a step of decodes, the prefill
+    factor for a step of prompt tokens, in between by the share of prompt tokens."""
+    if not service:
+        return 1.0
+    total = sum(n for n, _ in batch)
+    prompt = sum(n for n, _ in batch if n > 1)
+    share = prompt / total if total else 0.0
+    return service["decode"] + (service["prefill"] - service["decode"]) * share
