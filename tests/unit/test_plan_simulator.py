@@ -93,17 +93,18 @@ def test_the_step_model_gives_back_the_costs_it_was_fitted_to():
         StepModel.fit([([(1, 0)], 0.02)])
 
 
-def test_served_factors_scale_prompt_steps_and_decode_steps_apart():
-    """calibrate.py's factors: a step of prompt tokens by `prefill`, a step of decodes by
-    `decode`, a step of both by the share of its tokens that are prompt tokens."""
+def test_served_costs_scale_prompt_steps_and_add_to_decode_steps():
+    """calibrate.py's costs: a step of prompt tokens times `prefill`, a step of decodes
+    plus `decode_extra_s`, a step of both by the share of its tokens that are prompt
+    tokens."""
     served = profile()
     for e in served["engines"]:
-        e["service"] = {"prefill": 2.0, "decode": 1.5}
+        e["service"] = {"prefill": 2.0, "decode": 1.5, "decode_extra_s": 0.004}
     sim = Simulation(named("colocated", decode_threads=1), served)
     a, b = sim.run([Job(list(range(100, 120)), 3), Job(list(range(300, 310)), 2)], [0.0, 0.0])
     hop = HAND["to_prefill_s"]
     assert a.ttft == pytest.approx(2.0 * step(20) + hop)
     # b's 10 prompt tokens beside a's decode: 10 of the step's 11 tokens are prompt.
-    mixed = step(11) * (1.5 + 0.5 * 10 / 11)
-    assert a.itls == pytest.approx([mixed, 1.5 * step(2)])
-    assert b.itls == pytest.approx([1.5 * step(2)])
+    mixed = step(11) * (1 + 1.0 * 10 / 11) + 0.004 * 1 / 11
+    assert a.itls == pytest.approx([mixed, step(2) + 0.004])
+    assert b.itls == pytest.approx([step(2) + 0.004])

@@ -6,14 +6,17 @@ interpreter, one GIL): measured on a 2-core Xeon, a colocated engine on two thre
 decoded a token in 52 ms served where the offline profile said 31 ms (an OpenMP team of
 two waits for whichever thread the server's work took a core from), and one on one
 thread in 49 ms against 46. So `baton profile` also serves each engine, as the goodput
-benchmark's topologies serve it, sends prompts one at a time, and keeps two factors per
-engine, measured over predicted:
+benchmark's topologies serve it, sends prompts one at a time, and keeps, per engine:
 
-    prefill   the first token's time (past the router's hop) over the prompt's step
-    decode    the median gap between later tokens over one decode step at that context
+    prefill         the first token's time (past the router's hop) over the prompt's
+                    step: a factor (the team's waits grow with the compute)
+    decode_extra_s  the median gap between later tokens less one decode step at that
+                    context: seconds added to a step (the server's work is per step:
+                    a ratio taken at batch 1 put a colocated engine's P90 ITL at 1/s of
+                    chat 25% over the measured one; added, 6% over)
 
-The simulator scales each step by them (sim_worker.py: by the share of its tokens that
-are prompt tokens).
+The simulator applies them to each step by the share of its tokens that are prompt
+tokens (`cost`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
              *(["--model", args.model] if args.model else [])]
     router = ["--model", args.model] if args.model else []
     rng = random.Random(2)
-    prefill, decode = [], []
+    prefill, decode, extra = [], [], []
     lengths = PROMPTS[:1] if args.quick else PROMPTS
     with started(topology, flags, router) as served:
         for _ in range(args.repeats + 1):
@@ -55,17 +58,21 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
                     raise RuntimeError(f"a calibration probe failed: {t.error}")
                 prefill.append((t.ttft - hop_s) / model.predict([(n, 0)]))
                 gaps = sorted(t.itls[1:])  # past the first (a local prefill's own step)
-                decode.append(statistics.median(gaps) / model.predict([(1, n + OUTPUT // 2)]))
+                step = model.predict([(1, n + OUTPUT // 2)])
+                decode.append(statistics.median(gaps) / step)
+                extra.append(statistics.median(gaps) - step)
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode),
-            "topology": topology, "probes": len(prefill)}
+            "decode_extra_s": statistics.median(extra), "topology": topology,
+            "probes": len(prefill)}
 
 
-def factor(service: dict | None, batch: list[tuple[int, int]]) -> float:
-    """The scale of one step: the decode factor for a step of decodes, the prefill
-    factor for a step of prompt tokens, in between by the share of prompt tokens."""
+def cost(service: dict | None, batch: list[tuple[int, int]], offline_s: float) -> float:
+    """A served step's seconds from its offline ones: a step of prompt tokens times the
+    prefill factor, a step of decodes plus decode_extra_s, a mixed one by the share of
+    its tokens that are prompt tokens."""
     if not service:
-        return 1.0
+        return offline_s
     total = sum(n for n, _ in batch)
-    prompt = sum(n for n, _ in batch if n > 1)
-    share = prompt / total if total else 0.0
-    return service["decode"] + (service["prefill"] - service["decode"]) * share
+    share = sum(n for n, _ in batch if n > 1) / total if total else 0.0
+    return (offline_s * (1.0 + (service["prefill"] - 1.0) * share)
+            + service.get("decode_extra_s", 0.0) * (1.0 - share))

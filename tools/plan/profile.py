@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                                           hop)
             if f:
                 print(f"threads {e['threads']} served ({f['topology']}): prefill x"
-                      f"{f['prefill']:.2f}, decode x{f['decode']:.2f} the offline steps",
+                      f"{f['prefill']:.2f} the offline steps, decode +"
+                      f"{1000 * f['decode_extra_s']:.1f} ms a step (x{f['decode']:.2f})",
                       flush=True)
     out = {"cpu": cpu_line(), "model": args.model or "default", "dtype": args.dtype,
            "block_size": 16, "cores": len(os.sched_getaffinity(0)), "engines": engines,

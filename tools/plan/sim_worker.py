@@ -32,7 +32,7 @@ from baton.services.worker.messages import kv_events_message
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 
-from .calibrate import factor
+from .calibrate import cost
 from .step_model import StepModel
 
 TOKEN = 100  # what every simulated step samples (ignore_eos: never an end by itself)
@@ -131,7 +131,7 @@ class SimWorker:
         if not out.scheduled:
             return  # waiting for a pull to land, or for blocks: a later event kicks
         batch = [(n, r.num_computed_tokens) for r, n in out.scheduled]
-        seconds = self.model.predict(batch) * factor(self.service, batch)
+        seconds = max(0.0, cost(self.service, batch, self.model.predict(batch)))
         self.stepping = True
         self.busy_s += seconds
         self.steps += 1
