@@ -108,3 +108,14 @@ def test_served_costs_scale_prompt_steps_and_add_to_decode_steps():
     mixed = step(11) * (1 + 1.0 * 10 / 11) + 0.004 * 1 / 11
     assert a.itls == pytest.approx([mixed, step(2) + 0.004])
     assert b.itls == pytest.approx([step(2) + 0.004])
+
+
+def test_a_prompt_no_engine_can_hold_ends_the_run_with_an_error():
+    """Longer than the pool: the scheduler never admits it, so the run stops at its
+    limit and says so, instead of polling forever."""
+    small = profile()
+    for e in small["engines"]:
+        e["block_bytes"] = 2**30 // 8  # 8 blocks of 16 tokens in a GiB's pool
+    sim = Simulation(named("colocated", decode_threads=1), small)
+    (t,) = sim.run([Job(list(range(100, 400)), 2)], [0.0], limit_s=60.0)
+    assert t.error == "unfinished at the simulation's limit" and not t.ok

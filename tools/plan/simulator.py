@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -165,9 +164,13 @@ class Simulation:
     def at(self, when: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), fn))
 
-    def run(self, jobs: list[Job], sent: list[float], limit_s: float = math.inf) -> list[Timing]:
+    def run(self, jobs: list[Job], sent: list[float], limit_s: float | None = None
+            ) -> list[Timing]:
         """Every job sent at its time; their Timings once all have ended (or `limit_s`
-        of simulated time has passed: those unfinished carry an error)."""
+        of simulated time has passed, by default an hour past the last send: those
+        unfinished carry an error, as a request no engine can take never ends)."""
+        if limit_s is None:
+            limit_s = max(sent, default=0.0) + 3600.0
         for i, (job, t) in enumerate(zip(jobs, sent, strict=True)):
             self.at(t, lambda now, i=i, job=job: self._arrive(f"r{i}", job, now))
         self.pending = len(jobs)
