@@ -49,7 +49,7 @@ def test_the_check_replays_the_benchmarks_own_requests(tmp_path, capsys):
     the best passing rate among them."""
     from baton.tools.bench.goodput_stats import parse_slos
     from baton.tools.plan.check import check, requests_of
-    from baton.tools.plan.planner import score
+    from baton.tools.plan.scoring import score
     from baton.tools.plan.simulator import named
 
     slos_ms = ["ttft:5000", "tpot:30"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from baton.tools.bench.goodput_load import arrivals, jobs
 from baton.tools.bench.goodput_stats import parse_slos
 
+from .scoring import max_rate, score
 from .simulator import named
 
 FIELDS = (("attain", "slo_attainment", 100.0), ("P90 TTFT", "p90_ttft_ms", 1.0),
@@ -44,8 +45,6 @@ def requests_of(run: dict) -> list:
 
 
 def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
-    from .planner import max_rate, score
-
     rows, best = [], {}
     for run, header in runs_of(files):
         slos = parse_slos(header["slos_ms"])

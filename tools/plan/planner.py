@@ -14,8 +14,8 @@ goodput benchmark scores a run (ITL's SLO is judged on TPOT, each request's mean
 as vLLM's `--goodput tpot:`), and ranked by goodput, then attainment, then fewer
 engines. It prints the best few with their predicted percentiles, the best colocated
 one beside them, and why the first won; `--max-rate` then finds the highest rate each of
-those holds at `--attainment`. `--out` writes the first choice as a plan `baton up
---plan` starts, with the Kubernetes replica counts and per-role flags.
+those holds at `--attainment`. `--out` writes the first choice as a plan file: each
+role's replicas and flags, the router's flags, the prediction.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from baton.router.policy import Policy
-from baton.tools.bench.goodput_load import WORKLOADS, Job, arrivals, jobs
-from baton.tools.bench.goodput_stats import Timing, summarize
+from baton.tools.bench.goodput_load import WORKLOADS
 
-from .simulator import Simulation, Topology, named
+from .scoring import max_rate, requests, score
+from .simulator import Topology, named
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,18 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.check and not args.topology and args.cores is None:
         ap.error("--cores is required (or --topology, or --check)")
     return args
-
-
-def requests(args, vocab: int = 49152) -> list[tuple[list[Job], list[float]]]:
-    """One (jobs, send times) per seed: the workload at --rate, or the trace as it is."""
-    if args.trace:
-        rows = [json.loads(line) for line in args.trace.read_text().splitlines() if line]
-        rng = random.Random(0)
-        work = [Job([rng.randrange(100, vocab - 1) for _ in range(r["input_len"])],
-                    r["output_len"]) for r in rows]
-        return [(work, [float(r["t"]) for r in rows])]
-    return [(jobs(args.workload, args.num_prompts, seed, vocab),
-             arrivals(args.num_prompts, args.rate, 1.0, seed)) for seed in args.seeds]
 
 
 def engines(profile: dict) -> list[tuple[int, int]]:
@@ -118,56 +105,9 @@ def candidates(profile: dict, cores: int, chunks: list[int], seqs: list[int]
     return out
 
 
-def score(topology: Topology, profile: dict, runs, slos: dict, kv_gib: float) -> dict:
-    """The simulated result over every seed's requests, pooled as the benchmark pools
-    its seeds: each seed its own run on a fresh topology, one after the other."""
-    pooled: list[Timing] = []
-    offset = 0.0
-    for work, sent in runs:
-        timings = Simulation(topology, profile, kv_cache_gib=kv_gib).run(work, sent)
-        end = max([t.token_times[-1] for t in timings if t.ok] + [t.sent for t in timings])
-        pooled += [shifted(t, offset) for t in timings]
-        offset += end
-    return summarize(pooled, slos)
-
-
-def shifted(t: Timing, by: float) -> Timing:
-    return replace(t, sent=t.sent + by, token_times=[x + by for x in t.token_times])
-
-
 def rank_key(topology: Topology, r: dict) -> tuple:
     return (-(r["request_goodput"] or 0.0), -(r["slo_attainment"] or 0.0),
             topology.prefill + topology.decode)
-
-
-def max_rate(topology: Topology, profile: dict, args, slos: dict, start: float) -> float:
-    """The highest rate whose simulated attainment is at least --attainment: doubling
-    from `start` until one fails, then bisecting (the benchmark's search), 0 if even
-    1/16 of `start` fails."""
-
-    def holds(rate: float) -> bool:
-        runs = requests(argparse.Namespace(**{**vars(args), "rate": rate}))
-        return score(topology, profile, runs, slos, args.kv_cache_gib)["slo_attainment"] \
-            >= args.attainment
-
-    lo, hi = 0.0, start
-    while holds(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e4:
-            return lo
-    if lo == 0.0:
-        hi2 = hi
-        while hi2 > start / 16:
-            hi2 /= 2
-            if holds(hi2):
-                lo, hi = hi2, hi2 * 2
-                break
-        else:
-            return 0.0
-    for _ in range(5):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
-    return lo
 
 
 def why(best: tuple[Topology, dict], colo: tuple[Topology, dict] | None, slos: dict) -> str:
