@@ -71,3 +71,37 @@ def test_the_check_replays_the_benchmarks_own_requests(tmp_path, capsys):
     assert passing == [1.0]  # 3/s does not hold
     # The search starts at the best measured rate, which holds on the same requests.
     assert top["max_rate_predicted"] >= 1.0
+
+
+def test_the_autoscaling_example_is_valid_and_carries_the_plans_targets(tmp_path, capsys):
+    """deploy/kubernetes/examples/autoscaling.yaml: valid for the Kubernetes API, scaling
+    the two worker Deployments, with the targets its comment's `baton plan` command
+    writes from the profile it names."""
+    import shlex
+    from pathlib import Path
+
+    import kubernetes_validate
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "deploy" / "kubernetes" / "examples" / "autoscaling.yaml"
+    text = path.read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    lines = [line.removeprefix("#").strip().removesuffix("\\").strip()
+             for line in text.splitlines()[2:4]]  # the command, over two comment lines
+    command = " ".join(lines)
+    argv = shlex.split(command)
+    assert argv[:2] == ["baton", "plan"], command
+    out = tmp_path / "plan.json"
+    argv[argv.index("--out") + 1] = str(out)
+    argv[argv.index("--profile") + 1] = str(root / argv[argv.index("--profile") + 1])
+    planner.main(argv[2:])
+    scaling = json.loads(out.read_text())["scaling"]
+    by_name = {d["spec"]["scaleTargetRef"]["name"]: d["spec"]["metrics"][0]["pods"]
+               for d in docs}
+    for role in ("prefill", "decode"):
+        pods = by_name[f"baton-{role}"]
+        assert pods["metric"]["name"] == scaling[role]["metric"].replace(":", "_")
+        assert int(pods["target"]["averageValue"]) == scaling[role]["average"]

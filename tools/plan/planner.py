@@ -29,6 +29,7 @@ from pathlib import Path
 from baton.router.policy import Policy
 from baton.tools.bench.goodput_load import WORKLOADS
 
+from .scaling import targets
 from .scoring import max_rate, requests, score
 from .simulator import Topology, named
 
@@ -166,12 +167,17 @@ def main(argv: list[str] | None = None) -> None:
             print(f"max rate at {100 * args.attainment:.0f}% attainment: {t.name}: "
                   f"{rate:.2f}/s")
     if args.out:
-        args.out.write_text(json.dumps(plan_file(scored[0][0], scored[0][1], args), indent=1))
+        jobs_all = [j for w, _ in runs for j in w]
+        context = round(sum(len(j.prompt) + j.output_len / 2 for j in jobs_all)
+                        / max(1, len(jobs_all)))
+        plan = plan_file(scored[0][0], scored[0][1], args, profile, context)
+        args.out.write_text(json.dumps(plan, indent=1))
         print(f"wrote {args.out}")
 
 
-def plan_file(t: Topology, r: dict, args) -> dict:
-    """What `baton up --plan` starts, and the Kubernetes replicas and flags per role."""
+def plan_file(t: Topology, r: dict, args, profile: dict, context: int) -> dict:
+    """The choice: each role's replicas and flags, the router's flags, the prediction,
+    and each role's autoscaling target (scaling.py) at the workload's mean context."""
     engine = ["--max-num-batched-tokens", str(t.max_num_batched_tokens),
               "--max-num-seqs", str(t.max_num_seqs), "--kv-cache-gib", str(args.kv_cache_gib)]
     p = t.policy
@@ -189,6 +195,8 @@ def plan_file(t: Topology, r: dict, args) -> dict:
             "roles": roles, "router": {"flags": router},
             "predicted": {k: r[k] for k in ("request_goodput", "slo_attainment",
                                             "p90_ttft_ms", "p90_tpot_ms", "p90_itl_ms")},
+            "scaling": targets(profile, t, args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000,
+                               context),
             "workload": str(args.trace or args.workload), "rate": args.rate,
             "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}}
 
