@@ -39,6 +39,9 @@ def add_parser(sub, with_flags: bool) -> list[Flag]:
                    "comma-separate) [BATON_API_KEY, else VLLM_API_KEY; BATON_API_KEY_FILE "
                    "adds a file's]")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--plan", help="a plan from `baton plan --out`: its workers per role "
+                   "(on consecutive ports from --prefill-port and --decode-port, each on "
+                   "cores of its own when this machine has enough) and the router's flags")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                        help=f"the {role} worker's --tensor-parallel-size (default: "
@@ -57,7 +60,6 @@ def up(args, flags: list[Flag]) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     dial = reachable(args.host)
-    prefill, decode = address(dial, args.prefill_port), address(dial, args.decode_port)
     router = address(dial, args.port)
     names: dict[int, str] = {}
     keys = api_keys(args)
@@ -68,18 +70,20 @@ def up(args, flags: list[Flag]) -> None:
         print(f"baton up: WARNING: {open_router}", file=sys.stderr, flush=True)
     env = cluster_env(args)
     try:
+        started = planned_workers(args)
         metrics = {"prefill": args.prefill_metrics_port, "decode": args.decode_metrics_port}
-        for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
-            tp = getattr(args, f"{role}_tensor_parallel_size", None)
-            per_role = ["--tensor-parallel-size", str(tp)] if tp else []
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, port, metrics_port, own in started:
             proc = spawn(role, address(args.host, port), [
-                *argv_for(args, flags, role), *per_role, "--metrics-port", str(metrics[role])],
+                *argv_for(args, flags, role), *own, "--metrics-port", str(metrics_port)],
                 env=env)
             procs.append(proc)
             names[proc.pid] = role
+            addresses[role].append(address(dial, port))
         mutual = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-        wait_healthy(prefill, procs[0], args.startup_timeout, mutual)
-        wait_healthy(decode, procs[1], args.startup_timeout, mutual)
+        for proc, (_, port, _, _) in zip(procs, started, strict=True):
+            wait_healthy(address(dial, port), proc, args.startup_timeout, mutual)
+        prefill, decode = addresses["prefill"], addresses["decode"]
         router_flags, router_env = router_launch(args, flags, prefill, decode, env)
         proc = spawn("router", address(args.host, args.port), router_flags, env=router_env)
         procs.append(proc)
@@ -103,6 +107,61 @@ def up(args, flags: list[Flag]) -> None:
         stop_all([p for p in procs if names.get(p.pid) != "router"])
     if not stopping:
         sys.exit(1)
+
+
+def load_plan(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"--plan {path}: {e}") from None
+
+
+def planned_workers(args) -> list[tuple[str, int, int, list[str]]]:
+    """(role, port, metrics port, its own flags) of each worker to start: one prefill
+    and one decode worker, or a plan's (`baton plan --out`): each role's replicas on
+    consecutive ports from --prefill-port and --decode-port (metrics ports likewise),
+    with the role's flags, and each on cores of its own (--cpus) when this machine has
+    enough for them all (else they share them: a warning says so)."""
+    if not getattr(args, "plan", None):
+        out = []
+        for role in ("prefill", "decode"):
+            tp = getattr(args, f"{role}_tensor_parallel_size", None)
+            own = ["--tensor-parallel-size", str(tp)] if tp else []
+            out.append((role, getattr(args, f"{role}_port"),
+                        getattr(args, f"{role}_metrics_port"), own))
+        return out
+    roles = load_plan(args.plan).get("roles", {})
+    if not roles.get("decode", {}).get("replicas"):
+        raise RuntimeError(f"--plan {args.plan}: it has no decode worker")
+    first = {"prefill": (args.prefill_port, args.prefill_metrics_port),
+             "decode": (args.decode_port, args.decode_metrics_port)}
+    n = roles.get("prefill", {}).get("replicas", 0)
+    if n > args.decode_port - args.prefill_port or \
+            n > args.decode_metrics_port - args.prefill_metrics_port:
+        raise RuntimeError(f"--plan: {n} prefill workers' ports run into the decode "
+                           "workers': set --decode-port and --decode-metrics-port higher")
+    cores = sorted(os.sched_getaffinity(0))
+    need = sum(r["replicas"] * r.get("threads", 1) * r.get("tensor_parallel", 1)
+               for r in roles.values())
+    if need > len(cores):
+        print(f"baton up: WARNING: the plan's workers need {need} cores, this machine "
+              f"lets us use {len(cores)}: they share them", file=sys.stderr, flush=True)
+    out, next_core = [], 0
+    for role in ("prefill", "decode"):
+        r = roles.get(role)
+        if not r:
+            continue
+        per = r.get("threads", 1) * r.get("tensor_parallel", 1)
+        for i in range(r["replicas"]):
+            own = list(r.get("flags", []))
+            if need <= len(cores):
+                own += ["--cpus", ",".join(map(str, cores[next_core:next_core + per]))]
+                next_core += per
+            out.append((role, first[role][0] + i, first[role][1] + i, own))
+    return out
 
 
 def cluster_env(args) -> dict[str, str]:
@@ -131,12 +190,15 @@ def api_keys(args) -> tuple[str, ...]:
     return load_keys(given_keys(args), os.environ.get("BATON_API_KEY_FILE"))
 
 
-def router_launch(args, flags: list[Flag], prefill: str, decode: str, env: dict[str, str]
-                  ) -> tuple[list[str], dict[str, str]]:
+def router_launch(args, flags: list[Flag], prefill: list[str], decode: list[str],
+                  env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The router's flags and environment: every flag the router takes too (TLS, traces,
-    drain grace, model), the workers, and the API keys, in a variable (as `ps` shows
-    argv)."""
-    argv = [*argv_for(args, flags, "router"), "--prefill", prefill, "--decode", decode,
+    drain grace, model), the workers, a plan's router flags, and the API keys, in a
+    variable (as `ps` shows argv)."""
+    workers = [f for a in prefill for f in ("--prefill", a)] + [
+        f for a in decode for f in ("--decode", a)]
+    plan = load_plan(args.plan) if getattr(args, "plan", None) else {}
+    argv = [*argv_for(args, flags, "router"), *workers, *plan.get("router", {}).get("flags", []),
             "--http-port", str(args.http_port)]
     env = {k: v for k, v in env.items() if k != "BATON_API_KEY"}
     if args.api_key or "BATON_API_KEY" in os.environ:  # else VLLM_API_KEY, as it is

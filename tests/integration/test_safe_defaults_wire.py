@@ -67,7 +67,7 @@ def test_up_gives_the_router_every_key_and_calls_it_with_the_first(monkeypatch):
     monkeypatch.delenv("BATON_API_KEY_FILE", raising=False)
     args, flags = parse(["up", "--api-key", "a,b", "--api-key", "c"])
     assert up_module.api_keys(args) == ("a", "b", "c")
-    argv, env = up_module.router_launch(args, flags, "127.0.0.1:1", "127.0.0.1:2", {})
+    argv, env = up_module.router_launch(args, flags, ["127.0.0.1:1"], ["127.0.0.1:2"], {})
     assert not any(k in argv for k in ("a", "b", "c", "a,b"))  # `ps` shows argv
     for name, value in env.items():
         monkeypatch.setenv(name, value)

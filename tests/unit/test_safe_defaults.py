@@ -191,7 +191,7 @@ def test_baton_up_hands_vllms_api_key_to_its_router(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "vllm,key")
     args, flags = parse(["up"])
     assert up_module.api_keys(args) == ("vllm,key",)
-    argv, env = up_module.router_launch(args, flags, "127.0.0.1:1", "127.0.0.1:2",
+    argv, env = up_module.router_launch(args, flags, ["127.0.0.1:1"], ["127.0.0.1:2"],
                                         dict(os.environ))
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -184,11 +184,13 @@ def plan_file(t: Topology, r: dict, args, profile: dict, context: int) -> dict:
     router = ["--disaggregation", p.disaggregation,
               "--local-prefill-tokens", str(p.local_prefill_tokens),
               "--local-prefill-queue", str(p.local_prefill_queue)]
-    roles = {"decode": {"replicas": t.decode, "flags": [
+    roles = {"decode": {"replicas": t.decode, "threads": t.decode_threads,
+                        "tensor_parallel": t.decode_tp, "flags": [
         *engine, "--threads", str(t.decode_threads),
         "--tensor-parallel-size", str(t.decode_tp)]}}
     if t.prefill:
-        roles["prefill"] = {"replicas": t.prefill, "flags": [
+        roles["prefill"] = {"replicas": t.prefill, "threads": t.prefill_threads,
+                            "tensor_parallel": t.prefill_tp, "flags": [
             *engine, "--threads", str(t.prefill_threads),
             "--tensor-parallel-size", str(t.prefill_tp)]}
     return {"topology": {**asdict(replace(t, policy=Policy())), "policy": asdict(p)},
