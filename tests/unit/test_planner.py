@@ -105,3 +105,52 @@ def test_the_autoscaling_example_is_valid_and_carries_the_plans_targets(tmp_path
         pods = by_name[f"baton-{role}"]
         assert pods["metric"]["name"] == scaling[role]["metric"].replace(":", "_")
         assert int(pods["target"]["averageValue"]) == scaling[role]["average"]
+
+
+def test_the_kustomize_overlay_sets_replicas_and_flags_on_the_base(tmp_path, capsys):
+    """`--kustomize`: each worker Deployment's replicas and every plan flag as its BATON_*
+    variable, merged into the base's containers by name (as kustomize's strategic merge
+    does); the result is still valid for the Kubernetes API, and reading the variables
+    back through the CLI's own flag table gives the plan's values."""
+    from pathlib import Path
+
+    import kubernetes_validate
+    import pytest
+    import yaml
+
+    from baton.cli.flag_table import FLAGS
+    from baton.tools.plan.kustomize import env_of
+
+    chosen, _ = plan(tmp_path, capsys, 30)  # a P/D choice (the first test's)
+    folder = tmp_path / "overlay"
+    argv = ["--profile", str(tmp_path / "profile.json"), "--workload", "w3",
+                    "--rate", "1", "--slo-ttft-ms", "5000", "--slo-itl-ms", "30",
+                    "--cores", "2", "--num-prompts", "30", "--seeds", "0",
+                    "--out", str(tmp_path / "p.json"), "--kustomize", str(folder)]
+    planner.main(argv)
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    base = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+    deployments = {d["metadata"]["name"]: d for p in base.glob("*.yaml")
+                   if p.name != "kustomization.yaml"
+                   for d in yaml.safe_load_all(p.read_text()) if d and d["kind"] == "Deployment"}
+    envs = {f.env: f for f in FLAGS}
+    for entry in kustomization["patches"]:
+        patch = yaml.safe_load((folder / entry["path"]).read_text())
+        target = deployments[patch["metadata"]["name"]]
+        if "replicas" in patch["spec"]:
+            target["spec"]["replicas"] = patch["spec"]["replicas"]
+        (pc,) = patch["spec"]["template"]["spec"]["containers"]
+        container = next(c for c in target["spec"]["template"]["spec"]["containers"]
+                         if c["name"] == pc["name"])
+        merged = {e["name"]: e for e in container.get("env", [])}
+        merged.update({e["name"]: e for e in pc["env"]})
+        container["env"] = list(merged.values())
+        kubernetes_validate.validate(target, kubernetes_validate.latest_version(), strict=True)
+        assert all(e["name"] in envs for e in pc["env"])
+    replicas = deployments["baton-prefill"]["spec"]["replicas"]
+    assert replicas == chosen["roles"]["prefill"]["replicas"]
+    decode_env = {e["name"]: e["value"] for e in
+                  deployments["baton-decode"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert decode_env["BATON_THREADS"] == "1"
+    with pytest.raises(ValueError, match="not a flag of the decode role"):
+        env_of(["--disaggregation", "always"], "decode")

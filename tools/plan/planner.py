@@ -61,7 +61,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--kustomize", type=Path, metavar="DIR",
+                    help="also write the choice as a kustomize overlay (kustomize.py)")
+    ap.add_argument("--kustomize-base", default="../../deploy/kubernetes",
+                    help="the overlay's base, relative to DIR")
     args = ap.parse_args(argv)
+    if args.kustomize and not args.out:
+        ap.error("--kustomize needs --out")
     if not args.check and None in (args.slo_ttft_ms, args.slo_itl_ms):
         ap.error("--slo-ttft-ms and --slo-itl-ms are required (or --check)")
     if not args.check and not args.topology and args.cores is None:
@@ -172,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
                         / max(1, len(jobs_all)))
         plan = plan_file(scored[0][0], scored[0][1], args, profile, context)
         args.out.write_text(json.dumps(plan, indent=1))
+        if args.kustomize:
+            from .kustomize import write
+
+            print(f"wrote {write(plan, args.kustomize, args.kustomize_base)}")
         print(f"wrote {args.out}")
 
 
