@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .goodput_load import WORKLOADS, Job, arrivals, jobs, run
 from .goodput_stats import PERCENTILES, parse_slos, rescore, summarize
-from .goodput_topology import TOPOLOGIES, cpu_seconds, local_prefills, started
+from .goodput_topology import TOPOLOGIES, cpu_seconds, exit_on_sigterm, local_prefills, started
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,6 +216,7 @@ def rescored(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    exit_on_sigterm()  # a stopped run stops the topologies it started
     if args.rescore:
         rescored(args)
         return

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +49,17 @@ def cores(count: int = 2) -> list[str]:
     if len(mine) < count:
         raise ValueError(f"the topologies need {count} cores; this process has {mine}")
     return [str(c) for c in mine[:count]]
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends this process as an exception (exit code 143), so `started`'s
+    `finally` stops the topology: its services run in sessions of their own, and
+    SIGTERM's default action would leave them running. Main thread only."""
+
+    def leave(signum, frame):
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 @contextmanager

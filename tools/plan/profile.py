@@ -203,9 +203,11 @@ def handoff(args, transport: str, engine_model: StepModel) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from baton.tools.bench.goodput_topology import exit_on_sigterm
     from baton.tools.bench.machine import cpu_line
 
     args = parse_args(argv)
+    exit_on_sigterm()  # a stopped profile stops the services it started
     t0 = time.monotonic()
     print(cpu_line(), flush=True)
     engines = []
