@@ -17,10 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from baton.tools.bench.goodput_load import arrivals, jobs
 from baton.tools.bench.goodput_stats import parse_slos
 
-from .scoring import max_rate, score
+from .scoring import max_rate, score, seeded
 from .simulator import named
 
 FIELDS = (("attain", "slo_attainment", 100.0), ("P90 TTFT", "p90_ttft_ms", 1.0),
@@ -38,45 +37,43 @@ def runs_of(files: list[Path]) -> list[tuple[dict, dict]]:
 
 def requests_of(run: dict) -> list:
     """The run's requests, seed by seed, as the benchmark sent them."""
-    per_seed = run["num_prompts"] // len(run["seeds"])
-    return [(jobs(run["workload"], per_seed, seed, 49152),
-             arrivals(per_seed, run["request_rate"], run.get("burstiness", 1.0), seed))
-            for seed in run["seeds"]]
+    return seeded(run["workload"], run["num_prompts"] // len(run["seeds"]),
+                  run["request_rate"], run.get("burstiness", 1.0), run["seeds"])
 
 
 def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
-    rows, best = [], {}
-    for run, header in runs_of(files):
+    runs = runs_of(files)
+    rows = []
+    # Per topology: a run of it (its workload and seeds start the search), its file's
+    # SLOs, and its best measured run at the attainment (None: none holds it).
+    topologies: dict[str, tuple[dict, dict, dict | None]] = {}
+    for run, header in runs:
         slos = parse_slos(header["slos_ms"])
-        topology = named(run["topology"])
-        predicted = score(topology, profile, requests_of(run), slos, 1.0)
+        predicted = score(named(run["topology"]), profile, requests_of(run), slos, 1.0)
         rows.append({"topology": run["topology"], "workload": run["workload"],
                      "rate": run["request_rate"], "measured": run, "predicted": predicted})
-        if run["slo_attainment"] >= attainment:
-            top = best.get(run["topology"])
-            if top is None or run["request_rate"] > top["request_rate"]:
-                best[run["topology"]] = run
-        best.setdefault(run["topology"], None)
-        header["_slos"] = slos
+        first, first_slos, best = topologies.get(run["topology"], (run, slos, None))
+        if run["slo_attainment"] >= attainment and (
+                best is None or run["request_rate"] > best["request_rate"]):
+            best = run
+        topologies[run["topology"]] = (first, first_slos, best)
     for row in rows:
         m, p = row["measured"], row["predicted"]
         cols = [f"{name} {scale * m[key]:7.1f} / {scale * p[key]:7.1f}"
                 for name, key, scale in FIELDS]
         print(f"{row['topology']:<10} {row['workload']:<6} rate {row['rate']:5.2f}/s  "
               + "  ".join(cols) + "   (measured / predicted)")
-    for name, run in best.items():
-        sample = next(r for r, _ in runs_of(files) if r["topology"] == name)
-        header = next(h for r, h in runs_of(files) if r["topology"] == name)
+    for name, (sample, slos, best) in topologies.items():
         args = argparse.Namespace(trace=None, workload=sample["workload"],
                                   num_prompts=sample["num_prompts"] // len(sample["seeds"]),
                                   seeds=sample["seeds"], kv_cache_gib=1.0,
                                   attainment=attainment, rate=1.0)
-        start = run["request_rate"] if run else sample["request_rate"]
-        rate = max_rate(named(name), profile, args, parse_slos(header["slos_ms"]), start)
-        measured = f"{run['request_rate']:.2f}/s" if run else "none of its rates"
-        ratio = f" ({rate / run['request_rate']:.2f}x)" if run else ""
+        start = best["request_rate"] if best else sample["request_rate"]
+        rate = max_rate(named(name), profile, args, slos, start)
+        measured = f"{best['request_rate']:.2f}/s" if best else "none of its rates"
+        ratio = f" ({rate / best['request_rate']:.2f}x)" if best else ""
         print(f"highest rate at {100 * attainment:.0f}%: {name:<10} measured {measured}, "
               f"predicted {rate:.2f}/s{ratio}")
-        rows.append({"topology": name, "max_rate_measured": run and run["request_rate"],
+        rows.append({"topology": name, "max_rate_measured": best and best["request_rate"],
                      "max_rate_predicted": rate})
     return rows

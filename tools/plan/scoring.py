@@ -23,8 +23,14 @@ def requests(args, vocab: int = 49152) -> list[tuple[list[Job], list[float]]]:
         work = [Job([rng.randrange(100, vocab - 1) for _ in range(r["input_len"])],
                     r["output_len"]) for r in rows]
         return [(work, [float(r["t"]) for r in rows])]
-    return [(jobs(args.workload, args.num_prompts, seed, vocab),
-             arrivals(args.num_prompts, args.rate, 1.0, seed)) for seed in args.seeds]
+    return seeded(args.workload, args.num_prompts, args.rate, 1.0, args.seeds, vocab)
+
+
+def seeded(workload: str, n: int, rate: float, burstiness: float, seeds: list[int],
+           vocab: int = 49152) -> list[tuple[list[Job], list[float]]]:
+    """Each seed's `n` requests and send times, as the goodput benchmark draws them."""
+    return [(jobs(workload, n, seed, vocab), arrivals(n, rate, burstiness, seed))
+            for seed in seeds]
 
 
 def score(topology: Topology, profile: dict, runs, slos: dict, kv_gib: float) -> dict:
