@@ -25,7 +25,8 @@ PROTOC  = $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_ou
 # PYTHONDONTWRITEBYTECODE (some machines set it): with it, every process compiled all it
 # imported again (torch and transformers: 9 s a process, against 4 s from bytecode; the
 # suite starts over a hundred processes). The CPU decode kernel builds while Baton installs (`-P`: a script's
-# folder is not put on sys.path, so kernels/*.py cannot shadow a module of the same name).
+# folder is not put on sys.path, so kernels/*.py cannot shadow a module of the same name),
+# and meanwhile scripts/warm_bytecode.py writes the bytecode of what the tests import, once.
 LOCK        := requirements
 unexport PYTHONDONTWRITEBYTECODE
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -40,7 +41,8 @@ $(STAMP): pyproject.toml $(LOCK)/dev.txt $(LOCK)/torch-cpu.txt
 		|| $(PIP) --index-url $(TORCH_INDEX) -r $(LOCK)/torch-cpu.txt
 	$(PIP) -r $(LOCK)/dev.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -P kernels/cpu_ops.py & kernel=$$!; \
-	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e . && wait $$kernel
+	$(BIN)/pip install $(PIP_FLAGS) --no-build-isolation -e . \
+		&& { $(BIN)/python scripts/warm_bytecode.py || true; } && wait $$kernel
 	$(BIN)/pip check
 	touch $(STAMP)
 

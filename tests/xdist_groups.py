@@ -2,7 +2,8 @@
 
 Each module runs whole on one process (its module-scoped engines and topologies are built
 once); the modules that share the session's topology run on one process, and so do those
-that share transformers' reference model (`hf_model`, 30 s to build). xdist's own
+that share the default model's services (`smollm`) and those that share
+transformers' reference model (`hf_model`, 30 s to build). xdist's own
 `xdist_group` marks do not reach its scheduler under the locked pytest (it renames a node
 attribute the scheduler no longer reads), so this scheduler groups by module, from the
 nodeid, reading which shared fixture a module's tests take. It overrides
@@ -15,7 +16,7 @@ import functools
 import re
 from pathlib import Path
 
-SHARED = ("topology", "hf_model")
+SHARED = ("topology", "smollm", "hf_model")
 
 
 @functools.cache  # one read of each module, however many of its tests are scheduled

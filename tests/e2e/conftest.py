@@ -1,7 +1,8 @@
 """One disaggregated topology (router, prefill, decode over NIXL) per test session, on
 the tiny serving model: these tests check the mechanics of serving (routing, transfer,
-failures, APIs) against an offline engine of the same model. tests/e2e/test_real_model.py
-serves the default model once, for fidelity."""
+failures, APIs) against an offline engine of the same model. The default model is served
+once too (`smollm`), for fidelity (tests/e2e/test_real_model.py) and for what a
+random tiny model cannot show (test_structured_and_spec.py: drafts that are accepted)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,31 @@ def topology(tmp_path_factory, tiny_model):
         yield {**topo.disaggregated("nixl"), "topology": topo}
     finally:
         topo.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm(tmp_path_factory, model_path):
+    """The default model as a colocated server, and a prefill + decode pair over NIXL
+    behind a router, whose decode worker speculates (n-gram, 4 tokens: drafts change no
+    greedy token). The modules that take it run on one test process
+    (tests/xdist_groups.py), which starts it once."""
+    topo = Topology(tmp_path_factory.mktemp("default"), model_path)
+    try:
+        prefill = topo.worker("prefill", "--kv-transport", "nixl", wait=False)
+        decode = topo.worker("decode", "--kv-transport", "nixl", "--speculative-method",
+                             "ngram", "--num-speculative-tokens", "4", wait=False)
+        colocated = topo.worker("colocated", wait=False)
+        router = topo.start("router", "--prefill", prefill, "--decode", decode)
+        yield {"colocated": colocated, "router": router, "prefill": prefill,
+               "decode": decode, "topology": topo}
+    finally:
+        topo.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm_offline(make_llm):
+    """The default model offline, as its workers run it (fp32, 256-token steps)."""
+    return make_llm(dtype="float32", max_num_batched_tokens=256)
 
 
 @pytest.fixture(autouse=True)

@@ -1,16 +1,14 @@
 """The default model itself (SmolLM2-135M-Instruct, dequantized from its GGUF in each
-worker process), served disaggregated over NIXL: the greedy text and the chat reply equal
-the offline engine's, which tests/integration/test_hf_parity.py holds to transformers. The other
+worker process), served disaggregated over NIXL (the session's `smollm`, whose decode
+worker also drafts n-gram tokens): the greedy text and the chat reply equal the offline
+engine's, which tests/integration/test_hf_parity.py holds to transformers. The other
 service tests run the tiny serving model: they check mechanics, this checks fidelity."""
 
 from __future__ import annotations
 
-import pytest
-
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.helpers import all_free_within, greedy, joined, run
-from tests.e2e.topology import Topology
 
 PROMPTS = [
     "The capital of France is",
@@ -19,17 +17,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def real(tmp_path_factory, model_path):
-    topo = Topology(tmp_path_factory.mktemp("real"), model_path)
-    try:
-        yield topo.disaggregated("nixl")
-    finally:
-        topo.stop()
-
-
-def test_greedy_text_and_chat_equal_the_offline_engine(real, make_llm):
-    offline = make_llm(dtype="float32", max_num_batched_tokens=256)
+def test_greedy_text_and_chat_equal_the_offline_engine(smollm, smollm_offline):
+    offline, real = smollm_offline, smollm
     want = offline.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, ref in zip(PROMPTS, want, strict=True):
         msgs = run(real["router"], gen.GenerateRequest(text=prompt, sampling=greedy(24)))

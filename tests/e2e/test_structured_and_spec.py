@@ -2,7 +2,9 @@
 greedy tokens offline, colocated and disaggregated (the decode worker rebuilding the
 matcher from the prefill worker's first token, and drafting); JSON that validates; bad
 constraints refused with INVALID_ARGUMENT (HTTP 400) and nothing queued; acceptance in
-the metrics."""
+the metrics. The services are the session's, on the default model (`smollm`, in
+tests/e2e/conftest.py): a random tiny model never repeats its prompt, so its drafts would
+never be accepted."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from baton.services.common.sampling_params import StructuredOutput
 from baton.services.engine import SamplingParams
 from baton.v1 import generation_pb2 as gen
 from tests.e2e.helpers import all_free_within, joined, metric_value, run, until_served
-from tests.e2e.topology import Topology
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -37,59 +38,35 @@ REPEAT = ("Repeat this exactly: the paged blocks move from the prefill worker to
           "worker, and the decode worker streams the tokens back to the router.")
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory, model_path):
-    """A colocated server, and a prefill + decode pair whose decode worker speculates, on
-    the default model: a random tiny model never repeats its prompt, so its drafts would
-    never be accepted."""
-    topo = Topology(tmp_path_factory.mktemp("structured"), model_path)
-    try:
-        prefill = topo.worker("prefill", "--kv-transport", "grpc", wait=False)
-        decode = topo.worker("decode", "--kv-transport", "grpc", "--speculative-method",
-                             "ngram", "--num-speculative-tokens", "4", wait=False)
-        colocated = topo.worker("colocated", wait=False)
-        router = topo.start("router", "--prefill", prefill, "--decode", decode)
-        yield {"colocated": colocated, "router": router, "prefill": prefill,
-               "decode": decode, "topology": topo}
-    finally:
-        topo.stop()
-
-
-@pytest.fixture(scope="module")
-def offline(make_llm):
-    """The default model offline (fp32, as the workers)."""
-    return make_llm(dtype="float32", max_num_batched_tokens=256)
-
-
 def chat(text: str, sampling: gen.SamplingParams) -> gen.GenerateRequest:
     return gen.GenerateRequest(
         chat=gen.ChatMessages(messages=[gen.ChatMessage(role="user", content=text)]),
         sampling=sampling)
 
 
-def test_same_constrained_tokens_offline_colocated_and_disaggregated(services, offline):
+def test_same_constrained_tokens_offline_colocated_and_disaggregated(smollm, smollm_offline):
     for msg, so, text in CASES:
-        prompt = offline.engine.apply_chat_template([{"role": "user", "content": text}])
-        ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=96,
-                                                        structured=so))[0]
+        prompt = smollm_offline.engine.apply_chat_template([{"role": "user", "content": text}])
+        ref = smollm_offline.generate([prompt], SamplingParams(
+            temperature=0, max_tokens=96, structured=so))[0]
         assert ref.finish_reason == "stop"
         sampling = gen.SamplingParams(max_tokens=96, temperature=0, structured_output=msg)
         for where in ("colocated", "router"):
-            msgs = until_served(services[where], chat(text, sampling))
+            msgs = until_served(smollm[where], chat(text, sampling))
             assert joined(msgs) == (ref.token_ids, ref.text), where
             assert msgs[-1].delta.finish_reason == gen.FINISH_REASON_STOP
         if so.kind == "json":
             jsonschema.validate(json.loads(ref.text), SCHEMA)
-    assert all_free_within([services["prefill"], services["decode"]], 5.0)
+    assert all_free_within([smollm["prefill"], smollm["decode"]], 5.0)
 
 
-def test_the_decode_worker_speculates_with_the_same_output(services, offline):
-    prompt = offline.engine.apply_chat_template([{"role": "user", "content": REPEAT}])
-    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=48,
-                                                    ignore_eos=True))[0]
-    metrics = services["topology"].metrics[services["decode"]]
+def test_the_decode_worker_speculates_with_the_same_output(smollm, smollm_offline):
+    prompt = smollm_offline.engine.apply_chat_template([{"role": "user", "content": REPEAT}])
+    ref = smollm_offline.generate([prompt], SamplingParams(temperature=0, max_tokens=48,
+                                                           ignore_eos=True))[0]
+    metrics = smollm["topology"].metrics[smollm["decode"]]
     before = httpx.get(f"http://{metrics}/metrics", timeout=10).text
-    msgs = until_served(services["router"], chat(REPEAT, gen.SamplingParams(
+    msgs = until_served(smollm["router"], chat(REPEAT, gen.SamplingParams(
         max_tokens=48, temperature=0, ignore_eos=True)))
     assert joined(msgs) == (ref.token_ids, ref.text)
     after = httpx.get(f"http://{metrics}/metrics", timeout=10).text
@@ -103,17 +80,17 @@ def test_the_decode_worker_speculates_with_the_same_output(services, offline):
 @pytest.mark.parametrize("msg", [gen.StructuredOutput(regex="((("),
                                  gen.StructuredOutput(grammar="root ::= "),
                                  gen.StructuredOutput(json_schema='{"type": "bogus"}')])
-def test_a_constraint_that_cannot_compile_is_invalid_argument(services, msg):
+def test_a_constraint_that_cannot_compile_is_invalid_argument(smollm, msg):
     for where in ("colocated", "router"):
         with pytest.raises(grpc.RpcError) as e:
-            run(services[where], chat("hi", gen.SamplingParams(structured_output=msg)))
+            run(smollm[where], chat("hi", gen.SamplingParams(structured_output=msg)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "cannot compile" in e.value.details()
-    assert all_free_within([services["prefill"], services["decode"]], 5.0)
+    assert all_free_within([smollm["prefill"], smollm["decode"]], 5.0)
 
 
-def test_openai_response_format_and_its_errors(services):
-    http = "http://" + services["topology"].http[services["router"]]
+def test_openai_response_format_and_its_errors(smollm):
+    http = "http://" + smollm["topology"].http[smollm["router"]]
     model = httpx.get(http + "/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "max_tokens": 96, "temperature": 0,
             "messages": [{"role": "user", "content": "Describe a person and their pets."}],
