@@ -1,8 +1,9 @@
 """The planner's simulator on a hand-made profile, against step times computed by hand:
 a lone request's TTFT is the sum of its prefill chunks' times plus the hand-off, a
 decode batch's inter-token gap is its step time, the first gap after a hand-off is the
-hand-off, the pull and one step; runs are the same for the same seed; and the step
-model, fitted to steps of known cost, gives that cost back."""
+hand-off, the pull and one step; a pull shares its workers' cores with their steps;
+runs are the same for the same seed; and the step model, fitted to steps of known cost,
+gives that cost back."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def test_a_prompt_joins_the_running_decode_and_then_both_decode_together():
     assert b.ttft == pytest.approx(step(20, 1, k) + step(21, 2, k) + hop)
     assert a.itls == pytest.approx([step(21, 2, k)] + [step(2, 2, k)] * 4)
     assert b.itls == pytest.approx([step(2, 2, k)] * 4 + [step(1, 1, k)])
+
+
+def test_a_pull_slows_the_decode_step_beside_it():
+    """b's pull starts as a's decode step does, on the decode worker's one core: that
+    step takes min(pull, step) longer (sim_worker.SimWorker.core_busy); no other does."""
+    topo = Topology("pd", policy=Policy(disaggregation="always"), max_num_batched_tokens=256)
+    sim = Simulation(topo, profile())
+    a, _ = sim.run([Job(list(range(100, 200)), 20), Job(list(range(300, 400)), 4)], [0.0, 0.1])
+    pull = HAND["pull_fixed_s"] + HAND["pull_per_block_s"] * -(-100 // 16)
+    slowed = [g for g in a.itls[1:] if g not in (pytest.approx(step(1)), pytest.approx(step(2)))]
+    assert slowed == pytest.approx([step(1) + min(pull, step(1))])
+
+
+def test_a_pull_slows_the_sending_workers_next_step_too():
+    """The prefill worker's side of a pull (its NIXL thread on its core): a step that
+    starts while it runs takes min(what is left of it, the step) longer."""
+    sim = Simulation(named("pd-always"), profile())
+    prefill = sim.sims["prefill-0"]
+    prefill.spans.append((0.0, 0.050))  # a pull running until 50 ms
+    (t,) = sim.run([Job(list(range(100, 110)), 2)], [0.030])  # its prompt at 30 ms
+    assert t.ttft == pytest.approx(step(10) + min(0.050 - 0.030, step(10))
+                                   + HAND["to_prefill_s"])
 
 
 def test_local_prefill_when_the_prompt_is_short():

@@ -50,14 +50,17 @@ class WorkerClock(Clock):
 
 
 class SimReceiver(KVReceiver):
-    """A pull that takes the profile's time: `fixed + per_block * blocks` after it starts,
-    then lands (its completion is an event, so the worker steps again then)."""
+    """A pull that takes the profile's time, `fixed + per_block * blocks` after it starts,
+    then lands (its completion is an event, so the worker steps again then). A pull that
+    starts while its worker steps lands later: they share the core (SimWorker.core_busy)."""
 
     def __init__(self, clock: WorkerClock, fixed_s: float, per_block_s: float,
                  at: Callable[[float, Callable[[float], None]], None],
-                 landed: Callable[[str, float], None]):
+                 landed: Callable[[str, float], None],
+                 step_ends: Callable[[], float] = lambda: 0.0,
+                 spanned: Callable[[KVHandle, float, float], None] = lambda h, a, b: None):
         self.clock, self.fixed_s, self.per_block_s = clock, fixed_s, per_block_s
-        self.at, self.landed = at, landed
+        self.at, self.landed, self.step_ends, self.spanned = at, landed, step_ends, spanned
         self.done: dict[str, float] = {}
 
     def add_peer(self, engine_id, layout, metadata) -> None:
@@ -65,9 +68,12 @@ class SimReceiver(KVReceiver):
 
     def start_load(self, transfer_id: str, handle: KVHandle, remote_block_ids: list[int],
                    local_block_ids: list[int]) -> None:
-        end = self.clock.now() + self.fixed_s + self.per_block_s * len(local_block_ids)
+        now = self.clock.now()
+        work = self.fixed_s + self.per_block_s * len(local_block_ids)
+        end = now + work + min(work, max(0.0, self.step_ends() - now))
         self.done[transfer_id] = end
-        self.at(end, lambda now: self.landed(handle.request_id, now))
+        self.spanned(handle, now, end)
+        self.at(end, lambda t: self.landed(handle.request_id, t))
 
     def poll(self, transfer_id: str) -> tuple[TransferState, str | None]:
         end = self.done.get(transfer_id)
@@ -89,7 +95,8 @@ class SimWorker:
                  on_token: Callable[[Request, float], None] = lambda r, t: None,
                  on_end: Callable[[Request, float], None] = lambda r, t: None,
                  on_pulled: Callable[[str, float], None] = lambda rid, t: None,
-                 service: dict | None = None):
+                 service: dict | None = None,
+                 on_span: Callable[[str, float, float], None] = lambda e, a, b: None):
         self.name, self.role, self.model, self.at = name, role, model, at
         self.service = service  # served over offline step costs (calibrate.py)
         self.engine_id = f"{role}-{name}"
@@ -98,8 +105,13 @@ class SimWorker:
         self.pool = BlockPool(num_blocks, self.events)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
         connectors = []
+        self.step_end = 0.0  # when the running step ends
+        self.spans: list[tuple[float, float]] = []  # pulls on this core: (start, end)
+        self.on_span = on_span
         if role in ("decode", "colocated"):
-            self.receiver = SimReceiver(self.clock, *pull, at, self._pulled)
+            self.receiver = SimReceiver(self.clock, *pull, at, self._pulled,
+                                        lambda: self.step_end if self.stepping else 0.0,
+                                        self._spanned)
             connectors.append(PDConnector(self.receiver, block_size))
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
                                    max_model_len, connectors=connectors,
@@ -132,7 +144,9 @@ class SimWorker:
             return  # waiting for a pull to land, or for blocks: a later event kicks
         batch = [(n, r.num_computed_tokens) for r, n in out.scheduled]
         seconds = max(0.0, cost(self.service, batch, self.model.predict(batch)))
+        seconds += min(seconds, self.core_busy(self.clock.t))  # a pull shares the core
         self.stepping = True
+        self.step_end = self.clock.t + seconds
         self.busy_s += seconds
         self.steps += 1
         self.at(self.clock.t + seconds, lambda t: self._stepped(out, t))
@@ -167,6 +181,24 @@ class SimWorker:
                 self.on_end(req, now)
         self.stepping = False
         self.kick(now)
+
+    def core_busy(self, now: float) -> float:
+        """Seconds of pulls still to run on this worker's core at `now`.
+
+        A pull's time was measured with both engines idle, and it is CPU on both
+        workers' cores (each worker's NIXL progress thread shares its one pinned core;
+        issue 53). Of a pull and a step that overlap, the one that starts second ends
+        min(its work, what is left of the other) later, as if the core ran both at half
+        speed while both ran; the first keeps its own time (the shared time is counted
+        once, not twice). A step's side is here (kick), on either worker; a pull's is
+        SimReceiver's, for the receiving worker's step only.
+        """
+        self.spans = [(a, b) for a, b in self.spans if b > now]
+        return sum(b - max(a, now) for a, b in self.spans)
+
+    def _spanned(self, handle: KVHandle, start: float, end: float) -> None:
+        self.spans.append((start, end))
+        self.on_span(handle.engine_id, start, end)  # the sending side's core
 
     def _pulled(self, request_id: str, now: float) -> None:
         self.on_pulled(request_id, now)

@@ -144,7 +144,7 @@ class Simulation:
                                 self.block_size, topology.max_num_seqs,
                                 topology.max_num_batched_tokens, engine["max_model_len"],
                                 prefix_caching, self.at, pull, self._token, self._ended,
-                                self._pulled, engine.get("service"))
+                                self._pulled, engine.get("service"), self._spanned)
                 address = f"{role}-{i}"
                 self.sims[address] = sim
                 workers[role].append(Worker(address, role, _Client(sim)))  # type: ignore[arg-type]
@@ -268,6 +268,12 @@ class Simulation:
 
     def _done(self, job: _Job) -> None:
         self.pending -= 1
+
+    def _spanned(self, engine_id: str, start: float, end: float) -> None:
+        """A pull from engine `engine_id` runs from `start` to `end`: on its core too."""
+        sender = next((s for s in self.sims.values() if s.engine_id == engine_id), None)
+        if sender is not None:
+            sender.spans.append((start, end))
 
     def _pulled(self, request_id: str, now: float) -> None:
         held = self.leases.pop(request_id, None)
