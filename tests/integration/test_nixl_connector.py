@@ -85,13 +85,10 @@ class Peer:
 
 @contextlib.contextmanager
 def piped(target, *args):
-    """A process running `target(conn, *args)`: yields (our end of its pipe, the
+    """A spawned process running `target(conn, *args)`: yields (our end of its pipe, the
     process); at the end it is told "exit" (its pipe's EOF if it cannot be), then killed
-    if it lingers. Forked by multiprocessing's fork server, which imports this module
-    (torch, NIXL) once: a spawned process would spend 2 s of CPU importing them each
-    time. The server forks before any connector, agent or thread exists."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # where the server is not up yet
+    if it lingers."""
+    ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, daemon=True, args=(child, *args))
     proc.start()

@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 QUICK_S = 60  # the rendezvous waits 120 s on one host: an answer in time is not its timeout
 
 
-def test_the_ranks_of_one_host_listen_on_loopback_only(make_llm, tiny_model):
+def test_the_ranks_of_one_host_listen_on_loopback_only(make_llm, tiny_model, forked_ranks):
+    """Where a rank listens is `tp_ranks.follow`'s, after it starts: its rank is forked
+    from the TP modules' fork server (the tests below spawn theirs)."""
     before = listeners(os.getpid())
     llm = make_llm(model=str(tiny_model), dtype="float32", tensor_parallel_size=2)
     rank1 = llm.engine.ranks.procs[0].pid
