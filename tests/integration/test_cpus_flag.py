@@ -24,7 +24,12 @@ pin({int(c) for c in sys.argv[1].split(",")})
 later = []
 t = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
 t.start(); t.join()
-tasks = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
+def affinity(tid):
+    try:
+        return sorted(os.sched_getaffinity(tid))
+    except ProcessLookupError:  # a thread that ended after the listing (a joined thread's
+        return None             # task can outlive join() by a moment)
+tasks = [a for a in map(affinity, map(int, os.listdir("/proc/self/task"))) if a is not None]
 print(sorted(later[0]), tasks)
 """
 
