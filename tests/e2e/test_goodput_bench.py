@@ -4,8 +4,9 @@ an open-loop load through the OpenAI API, and writes vLLM's result fields and th
 its figures agree with its own per-request data and the router's counts.
 
 The benchmark runs in this process, its services forked from the e2e zygote (the imports
-done once, tests/e2e/zygote.py) instead of spawned: the same `baton serve` command lines,
-about 30 s of CPU less. `baton up`'s test starts real processes the way a user does, and
+done once, tests/e2e/zygote.py) instead of spawned: the same `baton serve` command lines
+without six processes' imports (alone, 29 s of CPU became 20 s, the zygote's start
+included). `baton up`'s test starts real processes the way a user does, and
 test_bench_sigterm.py runs the benchmark's own process."""
 
 from __future__ import annotations
