@@ -53,15 +53,29 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         self.cluster = cluster or ClusterToken(None)
         self.layout = engine.kv_layout
         self.lease_s = engine.config.kv_lease_timeout_s
+        # request id -> whether the router has given it up (AbortPrefill), for each
+        # Prefill call under way: its lease, when granted, goes to nobody.
+        self._given_up: dict[str, bool] = {}
 
     async def Prefill(self, request, context):
-        params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         rid = request.request_id
         if not rid:
             raise InvalidArgument("request_id: required")
+        if rid in self._given_up:
+            raise InvalidArgument(f"request_id {rid!r} is already in use")
+        self._given_up[rid] = False
+        try:
+            return await self._prefill(rid, request, context)
+        finally:
+            del self._given_up[rid]
+
+    async def _prefill(self, rid: str, request, context):
+        params = sampling_params(request.sampling, self.aengine.engine.sampling_defaults)
         prompt = list(request.prompt_token_ids)
         grammar = await self.aengine.compile(params)  # refused here, before the queue
         lora = await lora_of(self.aengine, request.lora if request.HasField("lora") else None)
+        if self._given_up[rid]:
+            raise Aborted("the router gave the request up (AbortPrefill)")
 
         def add(engine: LLMEngine):
             engine.add_request(prompt, params, request_id=rid, priority=request.priority,
@@ -78,6 +92,12 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         reply = wk.PrefillResponse(delta=delta_message(out),
                                    cached_tokens=out.num_cached_tokens,
                                    timings=timings_message(out))
+        if out.handed_off and self._given_up[rid]:
+            # The router's AbortPrefill came before the grant (its deadline passed before
+            # ours, which began when the call reached us, or the caller left): it found no
+            # lease to end, so this one is ended here.
+            self.aengine.release_lease(rid, out.kv_lease_id)
+            raise Aborted("the router gave the request up (AbortPrefill)")
         if out.handed_off:
             reply.handle.CopyFrom(wk.KvHandle(
                 engine_id=self.engine_id, request_id=rid, lease_id=out.kv_lease_id,
@@ -85,9 +105,9 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
                 fingerprint=self.layout.fingerprint, lease_s=self.lease_s))
             # A call that ends cancelled (the caller left) or past its deadline handed the
             # lease to nobody: gRPC drops an answer sent after the deadline (or it reaches
-            # a router past its own), and the call does not read as cancelled then; the
-            # router's AbortPrefill may have come before the grant. An answer that went out
-            # but never arrived is the router's to end (AbortPrefill).
+            # a router past its own), and the call does not read as cancelled then. An
+            # answer that went out but never arrived is the router's to end (AbortPrefill,
+            # after the grant; before it, `_given_up` above).
             lease = out.kv_lease_id
             context.add_done_callback(
                 lambda ctx: _undelivered(ctx) and self.aengine.release_lease(rid, lease))
@@ -105,6 +125,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         # The router's: a Prefill call of its ended without the answer reaching it.
         if not request.request_id:
             raise InvalidArgument("request_id: required")
+        if request.request_id in self._given_up:  # still under way: its grant is ended
+            self._given_up[request.request_id] = True
         return wk.AbortPrefillResponse(
             released=self.aengine.release_lease(request.request_id, None))
 

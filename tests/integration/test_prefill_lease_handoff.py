@@ -2,7 +2,9 @@
 not hold the blocks until the lease expires. The router's AbortPrefill covers an answer
 lost after the grant; an answer whose call ends past its deadline is the worker's own to
 end, since the router's abort may have come before the grant (gRPC then drops the answer,
-or it reaches a router past its own deadline, and the call does not read as cancelled)."""
+or it reaches a router past its own deadline, and the call does not read as cancelled).
+An abort that lands before the grant, while the call still has time left on the worker,
+ends the lease as it is granted."""
 
 from __future__ import annotations
 
@@ -98,3 +100,68 @@ def test_an_answer_past_its_deadline_ends_its_lease_on_the_worker():
 def test_an_answer_in_time_leaves_its_lease_to_the_decode_worker():
     code, released = asyncio.run(_prefill(late=False))
     assert code == grpc.StatusCode.OK and released == []
+
+
+class GatedEngine(GrantingEngine):
+    """Grants the lease only once `gate` opens, and keeps a lease table: a release ends
+    the lease only if it is held (as services/engine/leases.py does)."""
+
+    def __init__(self):
+        super().__init__(late=False)
+        self.entered, self.gate = asyncio.Event(), asyncio.Event()
+        self.held: set[tuple[str, int]] = set()
+
+    async def generate(self, request_id, add):
+        self.entered.set()
+        await self.gate.wait()
+        self.held.add((request_id, LEASE))
+        yield RequestOutput(request_id, [1, 2, 3], [7], "x", new_token_ids=[7],
+                            kv_block_ids=[1], kv_lease_id=LEASE)
+
+    def release_lease(self, request_id: str, lease_id: int | None = None) -> bool:
+        for rid, lease in list(self.held):
+            if rid == request_id and lease_id in (None, lease):
+                self.held.discard((rid, lease))
+                return True
+        return False
+
+
+def test_an_abort_before_the_grant_ends_the_lease_once_granted():
+    """The router's deadline passes before the worker's (which starts when the call
+    arrives), so its AbortPrefill can land while the prompt still runs and the call has
+    time left: the lease granted after it must end at once, not wait 30 s to expire."""
+
+    async def run():
+        aengine = GatedEngine()
+        servicer = PrefillServicer(aengine, "prefill-1", "fake", b"",
+                                   SimpleNamespace(observe=lambda out: None))
+
+        def register(server):
+            wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+            return [service_name(wk, "PrefillService")]
+
+        server = make_server(register, Lifecycle())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = wk_grpc.PrefillServiceStub(channel)
+                call = asyncio.ensure_future(stub.Prefill(
+                    wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
+                    timeout=60.0))
+                await asyncio.wait_for(aengine.entered.wait(), 30)
+                aborted = await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
+                aengine.gate.set()
+                try:
+                    await call
+                    code = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as e:
+                    code = e.code()
+        finally:
+            await server.stop(None)
+        return aborted.released, code, aengine.held
+
+    released_by_abort, code, held = asyncio.run(run())
+    assert released_by_abort is False  # nothing granted yet when it came
+    assert code == grpc.StatusCode.ABORTED
+    assert held == set()
