@@ -97,6 +97,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             # ours, which began when the call reached us, or the caller left): it found no
             # lease to end, so this one is ended here.
             self.aengine.release_lease(rid, out.kv_lease_id)
+            log.info("lease of %s ended as it was granted: the router had given the "
+                     "request up", rid)
             raise Aborted("the router gave the request up (AbortPrefill)")
         if out.handed_off:
             reply.handle.CopyFrom(wk.KvHandle(

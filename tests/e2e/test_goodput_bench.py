@@ -62,6 +62,10 @@ def test_the_goodput_benchmark_runs_and_its_result_adds_up(tiny_model, tmp_path,
     assert local["local_prefills"] == {"disaggregation_never": 12}
     assert "local 100% (disaggregation_never 12)" in done.stdout
     assert run["completed"] == 12 and run["failed"] == 0 and run["request_rate"] == 8
+    # Each process's CPU over the point, by the simulator's names (the planner's check
+    # sets them beside its steps): every one of them worked.
+    assert set(run["cpu_s"]) == {"prefill-0", "decode-0", "router", "client"}
+    assert min(run["cpu_s"].values()) > 0 and run["wall_s"] >= run["duration"]
     assert run["output_lens"] == [16] * 12  # W3: 16 tokens each, ignore_eos
     # e2el <= 1 ms is met by nobody: goodput and attainment 0, whatever the throughput.
     assert run["request_goodput"] == 0 and run["slo_attainment"] == 0

@@ -47,6 +47,18 @@ def test_a_lone_requests_ttft_is_its_chunks_plus_the_hand_off():
     assert sim.sims["decode-0"].pool.num_free_blocks == sim.sims["decode-0"].pool.num_blocks - 1
 
 
+def test_score_counts_each_workers_step_seconds_over_every_seed():
+    """What the planner's check sets beside each process's measured CPU: the steps'
+    seconds, per worker, every seed's run added."""
+    from baton.tools.plan.scoring import score
+
+    topo = Topology("pd", policy=Policy(disaggregation="always"), max_num_batched_tokens=32)
+    one = ([Job(list(range(100, 200)), 4)], [0.25])
+    busy = score(topo, profile(), [one, one], {}, 1.0)["busy_s"]
+    prefill = sum(step(n) for n in (32, 32, 32, 4))
+    assert busy == pytest.approx({"prefill-0": 2 * prefill, "decode-0": 2 * 3 * step(1)})
+
+
 def test_a_prompt_joins_the_running_decode_and_then_both_decode_together():
     k = 0.002
     sim = Simulation(named("colocated", decode_threads=1), profile(k))

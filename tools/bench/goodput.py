@@ -27,7 +27,14 @@ from pathlib import Path
 
 from .goodput_load import WORKLOADS, Job, arrivals, jobs, run
 from .goodput_stats import PERCENTILES, parse_slos, rescore, summarize
-from .goodput_topology import TOPOLOGIES, cpu_seconds, exit_on_sigterm, local_prefills, started
+from .goodput_topology import (
+    TOPOLOGIES,
+    cpu_seconds,
+    exit_on_sigterm,
+    local_prefills,
+    process_cpu_seconds,
+    started,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,13 +92,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(target: str, api: str, args, rate: float, vocab: int, progress,
-            router_pid: int | None = None, http: str | None = None) -> dict:
+            router_pid: int | None = None, http: str | None = None,
+            pids: tuple[tuple[str, int], ...] = ()) -> dict:
     """One rate: every seed's requests (each its own open-loop run), pooled; the
-    router's CPU time per output token, where it runs apart; and the prompts its decode
-    workers computed themselves, by reason (`http`: its OpenAI API, which serves
-    /metrics)."""
+    router's CPU time per output token, where it runs apart; each process's CPU seconds
+    over the point (`pids`, and this client's own: what the planner's check sets beside
+    its simulated steps); and the prompts its decode workers computed themselves, by
+    reason (`http`: its OpenAI API, which serves /metrics)."""
     timings = []
     cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    each0 = {name: cpu_seconds(pid) for name, pid in pids}
+    client0, wall0 = process_cpu_seconds(), time.monotonic()
     local0 = local_prefills(http) if http else {}
     for seed in args.seeds:
         work = jobs(args.workload, args.num_prompts, seed, vocab)
@@ -101,6 +112,11 @@ def measure(target: str, api: str, args, rate: float, vocab: int, progress,
     if router_pid:
         result["router_cpu_ms_per_token"] = 1000 * (cpu_seconds(router_pid) - cpu0) / max(
             1, result["total_output_tokens"])
+    if pids:
+        result["cpu_s"] = {name: round(cpu_seconds(pid) - each0[name], 3)
+                           for name, pid in pids}
+        result["cpu_s"]["client"] = round(process_cpu_seconds() - client0, 3)
+        result["wall_s"] = round(time.monotonic() - wall0, 3)
     if http:
         after = local_prefills(http)
         result["local_prefills"] = {k: v - local0.get(k, 0.0) for k, v in after.items()
@@ -148,7 +164,8 @@ def steady(r: dict) -> bool:
 
 
 def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
-          router_pid: int | None = None, http: str | None = None) -> dict | None:
+          router_pid: int | None = None, http: str | None = None,
+          pids: tuple[tuple[str, int], ...] = ()) -> dict | None:
     """Each rate given, or the search for the highest rate at the attainment; the
     best passing result (with --find-max-rate)."""
     from tqdm import tqdm
@@ -156,7 +173,7 @@ def sweep(topology: str, target: str, api: str, args, vocab: int, out: list,
     def point(rate: float) -> dict:
         with tqdm(total=args.num_prompts * len(args.seeds), leave=False,
                   desc=f"{topology} @ {rate:.2f}/s") as bar:
-            r = measure(target, api, args, rate, vocab, bar, router_pid, http)
+            r = measure(target, api, args, rate, vocab, bar, router_pid, http, pids)
         r["topology"] = topology
         out.append(r)
         print(line(topology, r), flush=True)
@@ -245,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
             with started(topology, worker_flags, router_flags) as served:
                 target = served.http if args.api == "openai" else served.grpc
                 best[topology] = sweep(topology, target, args.api, args, vocab, results,
-                                       served.router_pid, served.http)
+                                       served.router_pid, served.http, served.pids)
     finally:
         if scratch is not None:
             scratch.cleanup()

@@ -35,6 +35,9 @@ class Served:
     http: str  # its OpenAI API's base URL
     workers: tuple[str, ...]  # the workers' gRPC addresses (stats)
     router_pid: int | None = None  # a router process of its own (not colocated's)
+    # Each process by the simulator's name for it (tools/plan/simulator.py: prefill-0,
+    # decode-0, decode-1; colocated's one process is decode-0) and "router": its pid.
+    pids: tuple[tuple[str, int], ...] = ()
 
 
 def free_port() -> int:
@@ -86,7 +89,8 @@ def started(topology: str, worker_flags: list[str], router_flags: list[str]):
             procs.append(spawn("colocated", address, [*flags, "--cpus", f"{a},{b}",
                                                       "--http-port", str(http)], env=ENV))
             wait_healthy(address, procs[0], 600)
-            served = Served(address, f"http://127.0.0.1:{http}", (address,))
+            served = Served(address, f"http://127.0.0.1:{http}", (address,),
+                            pids=(("decode-0", procs[0].pid),))
         else:
             roles = (("prefill", a), ("decode", b)) if topology.startswith("pd") else \
                 (("decode", a), ("decode", b))
@@ -102,8 +106,10 @@ def started(topology: str, worker_flags: list[str], router_flags: list[str]):
                                                    "WARNING", "--http-port", str(http)],
                                env=ENV))
             wait_healthy(address, procs[-1], 120)
+            pids = [(f"{role}-{sum(r == role for r, _ in made[:i])}", procs[i].pid)
+                    for i, (role, _) in enumerate(made)]
             served = Served(address, f"http://127.0.0.1:{http}", tuple(workers),
-                            procs[-1].pid)
+                            procs[-1].pid, (*pids, ("router", procs[-1].pid)))
         asyncio.run(_until_served(served))
         yield served
     finally:
@@ -130,6 +136,12 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds() -> float:
+    """The CPU time this process has used, every thread's (user + system)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def local_prefills(http: str) -> dict[str, float]:

@@ -63,6 +63,8 @@ def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
                 for name, key, scale in FIELDS]
         print(f"{row['topology']:<10} {row['workload']:<6} rate {row['rate']:5.2f}/s  "
               + "  ".join(cols) + "   (measured / predicted)")
+        if "cpu_s" in m:
+            print("    " + cpu_line(m["cpu_s"], p["busy_s"]))
     for name, (sample, slos, best) in topologies.items():
         args = argparse.Namespace(trace=None, workload=sample["workload"],
                                   num_prompts=sample["num_prompts"] // len(sample["seeds"]),
@@ -77,3 +79,13 @@ def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
         rows.append({"topology": name, "max_rate_measured": best and best["request_rate"],
                      "max_rate_predicted": rate})
     return rows
+
+
+def cpu_line(measured: dict[str, float], steps: dict[str, float]) -> str:
+    """Each process's CPU seconds over the run beside its simulated steps' seconds: what
+    a worker spent beyond its steps (its server, pulls, the Python around the engine) is
+    time the simulator places nowhere; the router and the benchmark's client have no
+    steps and share the same cores."""
+    cols = [f"{name} {cpu:.1f}" + (f" / {steps[name]:.1f}" if name in steps else "")
+            for name, cpu in measured.items()]
+    return "CPU s (measured / in simulated steps): " + ", ".join(cols)

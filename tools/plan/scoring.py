@@ -38,12 +38,16 @@ def score(topology: Topology, profile: dict, runs, slos: dict, kv_gib: float) ->
     its seeds: each seed its own run on a fresh topology, one after the other."""
     pooled: list[Timing] = []
     offset = 0.0
+    busy: dict[str, float] = {}  # each worker's seconds in steps, every seed's
     for work, sent in runs:
-        timings = Simulation(topology, profile, kv_cache_gib=kv_gib).run(work, sent)
+        sim = Simulation(topology, profile, kv_cache_gib=kv_gib)
+        timings = sim.run(work, sent)
         end = max([t.token_times[-1] for t in timings if t.ok] + [t.sent for t in timings])
         pooled += [shifted(t, offset) for t in timings]
         offset += end
-    return summarize(pooled, slos)
+        for address, worker in sim.sims.items():
+            busy[address] = busy.get(address, 0.0) + worker.busy_s
+    return {**summarize(pooled, slos), "busy_s": busy}
 
 
 def shifted(t: Timing, by: float) -> Timing:
