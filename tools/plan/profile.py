@@ -35,7 +35,7 @@ from .step_model import Entry, StepModel, fit_error
 
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024)
 PREFILL_CONTEXTS = (0, 512, 1024)
-DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_BATCHES = (1, 4, 8, 16, 32)
 DECODE_CONTEXTS = (128, 1024)
 MIXED = ((4, 128), (16, 512))  # (decodes, prefill tokens) in one step
 HANDOFF_PROMPTS = (64, 256, 1024, 1536)
