@@ -44,8 +44,8 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
     if topology is None:
         return None
     flags = ["--dtype", args.dtype, "--kv-cache-gib", "1", "--no-enable-prefix-caching",
-             *(["--model", args.model] if args.model else [])]
-    router = ["--model", args.model] if args.model else []
+             *args.worker_model]
+    router = args.router_model
     rng = random.Random(2)
     prefill, decode, extra = [], [], []
     lengths = PROMPTS[:1] if args.quick else PROMPTS

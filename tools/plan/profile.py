@@ -1,8 +1,9 @@
 """`baton profile`: what one engine step costs on this machine, and what a hand-off costs,
 in one JSON file for the simulator (simulator.py) and the planner (planner.py).
 
-    baton profile [--model M] [--dtype bfloat16] [--threads 1 2] [--tensor-parallel 1]
-                  [--transports nixl grpc] [--out profile.json] [--quick]
+    baton profile [--model M | --longdoc] [--dtype bfloat16] [--threads 1 2]
+                  [--tensor-parallel 1] [--transports nixl grpc] [--out profile.json]
+                  [--quick]
 
 1. Engine steps, offline (no services), for each thread count and tensor-parallel size,
    the process pinned to that many cores: prefill steps of n tokens over c tokens of
@@ -45,6 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="baton profile", description=(__doc__ or "").split(
         "\n\n")[0])
     ap.add_argument("--model", help="an HF folder or .gguf (default: the default model)")
+    ap.add_argument("--longdoc", action="store_true",
+                    help="the goodput benchmark's longdoc model instead (a 2-layer Llama of "
+                         "16K context, random weights), prompt steps up to 2,048 tokens "
+                         "over up to 4,096 of context")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="the engine's threads (and cores it is pinned to), each profiled")
@@ -106,6 +111,8 @@ def sweep(llm, args) -> list[tuple[list[Entry], float]]:
     quick = args.quick
     tokens = PREFILL_TOKENS[1::2] if quick else PREFILL_TOKENS
     contexts = PREFILL_CONTEXTS[:2] if quick else PREFILL_CONTEXTS
+    if args.longdoc:  # its prompts run 2-8K tokens, in steps of up to 2,048
+        tokens, contexts = (*tokens, 2048), (*contexts, 4096)
     run_one(ids(64))  # the first step pays one-time costs: not a sample
     for _ in range(args.repeats):
         for c in contexts:
@@ -156,9 +163,8 @@ def profile_engine(args, threads: int, tp: int) -> dict:
     os.sched_setaffinity(0, cores[:threads * tp])
     torch.set_num_threads(threads)
     try:
-        kw = {"model": args.model} if args.model else {}
         llm = LLM(dtype=args.dtype, kv_cache_gib=1.5, max_num_batched_tokens=2048,
-                  enable_prefix_caching=True, tensor_parallel_size=tp, **kw)
+                  enable_prefix_caching=True, tensor_parallel_size=tp, **args.engine_kw)
         t0 = time.monotonic()
         samples = sweep(llm, args)
         took = time.monotonic() - t0
@@ -179,8 +185,8 @@ def handoff(args, transport: str, engine_model: StepModel) -> dict:
     from baton.tools.bench.goodput_topology import started
 
     flags = ["--dtype", args.dtype, "--kv-cache-gib", "0.5", "--kv-transport", transport,
-             "--no-enable-prefix-caching", *(["--model", args.model] if args.model else [])]
-    router = ["--model", args.model] if args.model else []
+             "--no-enable-prefix-caching", *args.worker_model]
+    router = args.router_model
     rng = random.Random(1)
     lengths = HANDOFF_PROMPTS[::2] if args.quick else HANDOFF_PROMPTS
     pulls, firsts, gaps = [], [], []
@@ -208,10 +214,41 @@ def handoff(args, transport: str, engine_model: StepModel) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from baton.tools.bench.goodput_topology import exit_on_sigterm
-    from baton.tools.bench.machine import cpu_line
 
     args = parse_args(argv)
     exit_on_sigterm()  # a stopped profile stops the services it started
+    scratch = model_args(args)
+    try:
+        run_profile(args)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def model_args(args):
+    """Sets the model's flags for the workers (`worker_model`), the router
+    (`router_model`) and the offline engine (`engine_kw`); returns the folder to remove
+    after (the longdoc model's config), or None."""
+    if not args.longdoc:
+        args.worker_model = args.router_model = ["--model", args.model] if args.model else []
+        args.engine_kw = {"model": args.model} if args.model else {}
+        return None
+    import tempfile
+
+    from baton.tools.bench.pd_ttft import tiny_long_model
+
+    scratch = tempfile.TemporaryDirectory(prefix="baton-profile-")
+    flags = tiny_long_model(scratch.name, layers=2)  # as the goodput benchmark's
+    args.worker_model, args.router_model = flags, ["--tokenizer", flags[3]]
+    args.engine_kw = {"model": flags[1], "tokenizer": flags[3], "load_format": "dummy",
+                      "max_model_len": int(flags[7])}
+    args.model = "longdoc"
+    return scratch
+
+
+def run_profile(args) -> None:
+    from baton.tools.bench.machine import cpu_line
+
     t0 = time.monotonic()
     print(cpu_line(), flush=True)
     engines = []
