@@ -94,8 +94,12 @@ class _Client:
         if self.api == "openai":
             import httpx
 
-            self.http = httpx.AsyncClient(base_url=self.target, timeout=None,
-                                          limits=httpx.Limits(max_connections=None))
+            # A pooled connection is dropped here before the server may close it idle
+            # (uvicorn's 5 s, the router's and vLLM's): with httpx's own 5 s the two can
+            # close it at once, and a request sent into it gets no answer (ReadError).
+            self.http = httpx.AsyncClient(
+                base_url=self.target, timeout=None,
+                limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))
             self.model = (await self.http.get("/v1/models")).json()["data"][0]["id"]
         else:
             import grpc
