@@ -11,6 +11,8 @@ handshake it proves that it holds the cluster token, when one is set."""
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 
 import grpc
 
@@ -39,6 +41,8 @@ from baton.worker.v1 import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger(__name__)
 
+GIVEN_UP_KEPT = 4096  # request ids given up before their call came (PrefillServicer)
+
 
 class PrefillServicer(wk_grpc.PrefillServiceServicer):
     def __init__(self, aengine: AsyncEngine, engine_id: str, transport: str,
@@ -56,6 +60,10 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         # request id -> whether the router has given it up (AbortPrefill), for each
         # Prefill call under way: its lease, when granted, goes to nobody.
         self._given_up: dict[str, bool] = {}
+        # Request ids given up before their Prefill call arrived (the abort overtook the
+        # call on a loaded machine), oldest first, kept GIVEN_UP_KEPT at most and for a
+        # lease's life: the call, when it comes, is refused.
+        self._given_up_early: OrderedDict[str, float] = OrderedDict()
 
     async def Prefill(self, request, context):
         rid = request.request_id
@@ -63,6 +71,8 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
             raise InvalidArgument("request_id: required")
         if rid in self._given_up:
             raise InvalidArgument(f"request_id {rid!r} is already in use")
+        if self._given_up_early.pop(rid, None) is not None:
+            raise Aborted("the router gave the request up (AbortPrefill)")
         self._given_up[rid] = False
         try:
             return await self._prefill(rid, request, context)
@@ -127,10 +137,21 @@ class PrefillServicer(wk_grpc.PrefillServiceServicer):
         # The router's: a Prefill call of its ended without the answer reaching it.
         if not request.request_id:
             raise InvalidArgument("request_id: required")
-        if request.request_id in self._given_up:  # still under way: its grant is ended
-            self._given_up[request.request_id] = True
+        rid = request.request_id
+        if rid in self._given_up:  # still under way: its grant is ended
+            self._given_up[rid] = True
+        else:  # ended here already, or not here yet: a call that comes is refused
+            self._remember_given_up(rid)
         return wk.AbortPrefillResponse(
             released=self.aengine.release_lease(request.request_id, None))
+
+    def _remember_given_up(self, rid: str) -> None:
+        now = time.monotonic()
+        early = self._given_up_early
+        early[rid] = now
+        while early and (len(early) > GIVEN_UP_KEPT
+                         or next(iter(early.values())) < now - self.lease_s):
+            early.popitem(last=False)
 
     async def Handshake(self, request, context):
         self.layout.check_compatible(layout_from_message(request.layout))

@@ -165,3 +165,42 @@ def test_an_abort_before_the_grant_ends_the_lease_once_granted():
     assert released_by_abort is False  # nothing granted yet when it came
     assert code == grpc.StatusCode.ABORTED
     assert held == set()
+
+
+def test_an_abort_that_overtakes_its_call_refuses_the_call():
+    """On a loaded machine the router's AbortPrefill can land before the Prefill call it
+    ends: that call, when it comes, is refused, and no prompt reaches the engine (whose
+    lease would go to nobody)."""
+
+    async def run():
+        aengine = GatedEngine()
+        aengine.gate.set()
+        servicer = PrefillServicer(aengine, "prefill-1", "fake", b"",
+                                   SimpleNamespace(observe=lambda out: None))
+
+        def register(server):
+            wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+            return [service_name(wk, "PrefillService")]
+
+        server = make_server(register, Lifecycle())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = wk_grpc.PrefillServiceStub(channel)
+                await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
+                for rid in ("r1", "r2"):  # the one given up, then another
+                    try:
+                        await stub.Prefill(wk.PrefillRequest(
+                            request_id=rid, prompt_token_ids=[1, 2, 3]), timeout=60.0)
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+        finally:
+            await server.stop(None)
+        return codes, aengine.held
+
+    codes, held = asyncio.run(run())
+    assert codes == [grpc.StatusCode.ABORTED, grpc.StatusCode.OK]
+    assert held == {("r2", LEASE)}  # r1 never reached the engine; r2's lease is r2's
