@@ -9,6 +9,7 @@ ends the lease as it is granted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -57,12 +58,10 @@ class Servicer(PrefillServicer):
         return await super().Prefill(request, context)
 
 
-async def _prefill(late: bool) -> tuple[grpc.StatusCode, list]:
-    """One Prefill call with a deadline (a second for the late grant to pass; far more
-    than the call takes, for the one in time): its status, and the leases released."""
-    aengine = GrantingEngine(late)
-    servicer = Servicer(aengine, "prefill-1", "fake", b"", SimpleNamespace(
-        observe=lambda out: None))
+@contextlib.asynccontextmanager
+async def served(servicer):
+    """`servicer` served on a loopback port: yields a PrefillService stub; on leaving,
+    the server stops once every call has ended and its callbacks have run."""
 
     def register(server):
         wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
@@ -73,18 +72,34 @@ async def _prefill(late: bool) -> tuple[grpc.StatusCode, list]:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            try:
-                await wk_grpc.PrefillServiceStub(channel).Prefill(
-                    wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
-                    timeout=1.0 if late else 60.0)
-                code = grpc.StatusCode.OK
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
+            yield wk_grpc.PrefillServiceStub(channel)
+    finally:
+        await server.stop(None)
+
+
+async def status(call) -> grpc.StatusCode:
+    """The status a unary call ends with."""
+    try:
+        await call
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+
+
+async def _prefill(late: bool) -> tuple[grpc.StatusCode, list]:
+    """One Prefill call with a deadline (a second for the late grant to pass; far more
+    than the call takes, for the one in time): its status, and the leases released."""
+    aengine = GrantingEngine(late)
+    servicer = Servicer(aengine, "prefill-1", "fake", b"", SimpleNamespace(
+        observe=lambda out: None))
+
+    async with served(servicer) as stub:
+        code = await status(stub.Prefill(
+            wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
+            timeout=1.0 if late else 60.0))
         deadline = time.monotonic() + 30  # the call's end reaches the worker's callback
         while late and not aengine.released and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-    finally:
-        await server.stop(None)  # every call ended, its callbacks run
     return code, aengine.released
 
 
@@ -136,29 +151,14 @@ def test_an_abort_before_the_grant_ends_the_lease_once_granted():
         servicer = PrefillServicer(aengine, "prefill-1", "fake", b"",
                                    SimpleNamespace(observe=lambda out: None))
 
-        def register(server):
-            wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-            return [service_name(wk, "PrefillService")]
-
-        server = make_server(register, Lifecycle())
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = wk_grpc.PrefillServiceStub(channel)
-                call = asyncio.ensure_future(stub.Prefill(
-                    wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
-                    timeout=60.0))
-                await asyncio.wait_for(aengine.entered.wait(), 30)
-                aborted = await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
-                aengine.gate.set()
-                try:
-                    await call
-                    code = grpc.StatusCode.OK
-                except grpc.aio.AioRpcError as e:
-                    code = e.code()
-        finally:
-            await server.stop(None)
+        async with served(servicer) as stub:
+            call = asyncio.ensure_future(stub.Prefill(
+                wk.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3]),
+                timeout=60.0))
+            await asyncio.wait_for(aengine.entered.wait(), 30)
+            aborted = await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
+            aengine.gate.set()
+            code = await status(call)
         return aborted.released, code, aengine.held
 
     released_by_abort, code, held = asyncio.run(run())
@@ -178,27 +178,11 @@ def test_an_abort_that_overtakes_its_call_refuses_the_call():
         servicer = PrefillServicer(aengine, "prefill-1", "fake", b"",
                                    SimpleNamespace(observe=lambda out: None))
 
-        def register(server):
-            wk_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-            return [service_name(wk, "PrefillService")]
-
-        server = make_server(register, Lifecycle())
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        codes = []
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = wk_grpc.PrefillServiceStub(channel)
-                await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
-                for rid in ("r1", "r2"):  # the one given up, then another
-                    try:
-                        await stub.Prefill(wk.PrefillRequest(
-                            request_id=rid, prompt_token_ids=[1, 2, 3]), timeout=60.0)
-                        codes.append(grpc.StatusCode.OK)
-                    except grpc.aio.AioRpcError as e:
-                        codes.append(e.code())
-        finally:
-            await server.stop(None)
+        async with served(servicer) as stub:
+            await stub.AbortPrefill(wk.AbortPrefillRequest(request_id="r1"))
+            codes = [await status(stub.Prefill(wk.PrefillRequest(
+                request_id=rid, prompt_token_ids=[1, 2, 3]), timeout=60.0))
+                for rid in ("r1", "r2")]  # the one given up, then another
         return codes, aengine.held
 
     codes, held = asyncio.run(run())
