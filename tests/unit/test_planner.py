@@ -73,6 +73,24 @@ def test_the_check_replays_the_benchmarks_own_requests(tmp_path, capsys):
     assert top["max_rate_predicted"] >= 1.0
 
 
+def test_the_checks_cpu_line_names_each_workers_cores():
+    """A colocated engine computes on both cores: each second of its steps may cost two
+    of CPU, so its measured CPU is set beside that range; one-core workers beside their
+    steps alone. The names are the benchmark's (prefill-0, decode-0, decode-1)."""
+    from baton.tools.plan.check import cpu_line, threads
+    from baton.tools.plan.simulator import named
+
+    assert threads(named("colocated")) == {"decode-0": 2}
+    assert threads(named("pd")) == {"prefill-0": 1, "decode-0": 1}
+    assert threads(named("decode2")) == {"decode-0": 1, "decode-1": 1}
+    line = cpu_line({"decode-0": 96.8, "client": 2.6}, {"decode-0": 83.3},
+                    threads(named("colocated")))
+    assert line.endswith("decode-0 96.8 / 83.3-166.6 (2 cores), client 2.6")
+    line = cpu_line({"prefill-0": 16.4, "decode-0": 73.6, "router": 5.0},
+                    {"prefill-0": 13.7, "decode-0": 80.1}, threads(named("pd")))
+    assert line.endswith("prefill-0 16.4 / 13.7, decode-0 73.6 / 80.1, router 5.0")
+
+
 def test_the_autoscaling_example_is_valid_and_carries_the_plans_targets(tmp_path, capsys):
     """deploy/kubernetes/examples/autoscaling.yaml: valid for the Kubernetes API, scaling
     the two worker Deployments, with the targets its comment's `baton plan` command

@@ -64,7 +64,7 @@ def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
         print(f"{row['topology']:<10} {row['workload']:<6} rate {row['rate']:5.2f}/s  "
               + "  ".join(cols) + "   (measured / predicted)")
         if "cpu_s" in m:
-            print("    " + cpu_line(m["cpu_s"], p["busy_s"]))
+            print("    " + cpu_line(m["cpu_s"], p["busy_s"], threads(named(row["topology"]))))
     for name, (sample, slos, best) in topologies.items():
         args = argparse.Namespace(trace=None, workload=sample["workload"],
                                   num_prompts=sample["num_prompts"] // len(sample["seeds"]),
@@ -81,11 +81,27 @@ def check(profile: dict, files: list[Path], attainment: float) -> list[dict]:
     return rows
 
 
-def cpu_line(measured: dict[str, float], steps: dict[str, float]) -> str:
-    """Each process's CPU seconds over the run beside its simulated steps' seconds: what
-    a worker spent beyond its steps (its server, pulls, the Python around the engine) is
-    time the simulator places nowhere; the router and the benchmark's client have no
-    steps and share the same cores."""
-    cols = [f"{name} {cpu:.1f}" + (f" / {steps[name]:.1f}" if name in steps else "")
-            for name, cpu in measured.items()]
+def threads(topology) -> dict[str, int]:
+    """The cores each of the topology's workers computes on, by the benchmark's names."""
+    return {**{f"prefill-{i}": topology.prefill_threads * topology.prefill_tp
+               for i in range(topology.prefill)},
+            **{f"decode-{i}": topology.decode_threads * topology.decode_tp
+               for i in range(topology.decode)}}
+
+
+def cpu_line(measured: dict[str, float], steps: dict[str, float],
+             cores: dict[str, int]) -> str:
+    """Each process's CPU seconds over the run beside its simulated steps' seconds (wall
+    seconds: an engine on k cores spends up to k CPU seconds in each, so its steps are
+    shown as that range). A one-core worker's CPU past its steps (its server, pulls,
+    the Python around the engine) is time the simulator places nowhere; the router and
+    the benchmark's client have no steps and share the same cores."""
+    cols = []
+    for name, cpu in measured.items():
+        col = f"{name} {cpu:.1f}"
+        if name in steps:
+            k = cores.get(name, 1)
+            col += (f" / {steps[name]:.1f}" if k == 1 else
+                    f" / {steps[name]:.1f}-{k * steps[name]:.1f} ({k} cores)")
+        cols.append(col)
     return "CPU s (measured / in simulated steps): " + ", ".join(cols)
