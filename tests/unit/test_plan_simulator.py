@@ -145,6 +145,17 @@ def test_served_costs_scale_prompt_steps_and_add_to_decode_steps():
     assert b.itls == pytest.approx([step(2) + 0.004])
 
 
+def test_a_calibration_prompt_longer_than_a_step_is_timed_as_its_chunks():
+    """A served prompt past the step budget runs in chunks: its offline time, which the
+    served TTFT is set against, is each chunk's step over the tokens before it."""
+    from baton.tools.plan.calibrate import prompt_seconds
+
+    model = StepModel.constant(P, D)
+    assert prompt_seconds(model, 1024) == pytest.approx(D + P * 1023)
+    # 5,000 tokens in steps of 2,048: 2,048 + 2,048 + 904
+    assert prompt_seconds(model, 5000, 2048) == pytest.approx(3 * D + P * (2047 + 2047 + 903))
+
+
 def test_a_prompt_no_engine_can_hold_ends_the_run_with_an_error():
     """Longer than the pool: the scheduler never admits it, so the run stops at its
     limit and says so, instead of polling forever."""

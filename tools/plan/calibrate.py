@@ -6,10 +6,12 @@ interpreter, one GIL): measured on a 2-core Xeon, a colocated engine on two thre
 decoded a token in 52 ms served where the offline profile said 31 ms (an OpenMP team of
 two waits for whichever thread the server's work took a core from), and one on one
 thread in 49 ms against 46. So `baton profile` also serves each engine, as the goodput
-benchmark's topologies serve it, sends prompts one at a time, and keeps, per engine:
+benchmark's topologies serve it, sends prompts one at a time (of the lengths the
+workload sends: 256 and 1,024 tokens, or longdoc's 2,048 and 6,144), and keeps, per
+engine:
 
     prefill         the first token's time (past the router's hop) over the prompt's
-                    step: a factor (the team's waits grow with the compute)
+                    steps offline: a factor (the team's waits grow with the compute)
     decode_extra_s  the median gap between later tokens less one decode step at that
                     context: seconds added to a step (the server's work is per step:
                     a ratio taken at batch 1 put a colocated engine's P90 ITL at 1/s of
@@ -31,7 +33,15 @@ from .step_model import StepModel
 # first cores): two single-thread decode workers, or one colocated worker on two cores.
 SERVED = {1: "decode2", 2: "colocated"}
 PROMPTS = (256, 1024)
+LONG_PROMPTS = (2048, 6144)  # --longdoc: the lengths its workload sends (2-8K)
 OUTPUT = 24
+CHUNK = 2048  # the served workers' step budget (the engine's default, as the benchmark's)
+
+
+def prompt_seconds(model: StepModel, n: int, chunk: int = CHUNK) -> float:
+    """The offline seconds of an n-token prompt computed alone, in steps of at most
+    `chunk` tokens, each over the tokens before it."""
+    return sum(model.predict([(min(chunk, n - done), done)]) for done in range(0, n, chunk))
 
 
 def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | None:
@@ -48,7 +58,8 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
     router = args.router_model
     rng = random.Random(2)
     prefill, decode, extra = [], [], []
-    lengths = PROMPTS[:1] if args.quick else PROMPTS
+    lengths = LONG_PROMPTS if getattr(args, "longdoc", False) else PROMPTS
+    lengths = lengths[:1] if args.quick else lengths
     with started(topology, flags, router) as served:
         for _ in range(args.repeats + 1):
             for n in lengths:
@@ -56,7 +67,7 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
                 (t,) = asyncio.run(run([job], [0.0], "grpc", served.grpc))
                 if not t.ok:
                     raise RuntimeError(f"a calibration probe failed: {t.error}")
-                prefill.append((t.ttft - hop_s) / model.predict([(n, 0)]))
+                prefill.append((t.ttft - hop_s) / prompt_seconds(model, n))
                 gaps = sorted(t.itls[1:])  # past the first (a local prefill's own step)
                 step = model.predict([(1, n + OUTPUT // 2)])
                 decode.append(statistics.median(gaps) / step)
