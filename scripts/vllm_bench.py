@@ -2,9 +2,11 @@
 beside Baton, alternating. Runs in vLLM's own venv (see `make vllm`), on an HF directory
 of the same weights (scripts/export_hf_dir.py):
 
-    VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=.:protos VENV/bin/python scripts/vllm_bench.py HF_DIR w3
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0,1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+        PYTHONPATH=.:protos VENV/bin/python scripts/vllm_bench.py HF_DIR w3
     ... HF_DIR w2 --no-prefix-caching
 
+(the binding: every core, none kept for vLLM's scheduler, as vs_vllm.py sets it.)
 Prints one JSON line: {"system": "vllm", "workload", "prefix_caching", "tok_s"}.
 baton.tools.bench.workloads needs only the standard library, so this venv imports it too.
 The body sits under __main__: vLLM spawns processes.
