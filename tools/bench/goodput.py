@@ -315,14 +315,21 @@ def model_flags(args) -> tuple[int, list[str], list[str], tempfile.TemporaryDire
         return vocab, [*model, *common], [*model, *args.router_flag], None
     if args.workload != "longdoc":
         return 49152, common, list(args.router_flag), None
+    scratch, model, router = longdoc_model("baton-goodput-")
+    return 49152, [*model, *common], [*router, *args.router_flag], scratch
+
+
+def longdoc_model(prefix: str) -> tuple[tempfile.TemporaryDirectory, list[str], list[str]]:
+    """The longdoc workload's model, written into a temporary folder (remove it after):
+    (the folder, the workers' model flags, the router's)."""
     from .pd_ttft import tiny_long_model
 
-    scratch = tempfile.TemporaryDirectory(prefix="baton-goodput-")
+    scratch = tempfile.TemporaryDirectory(prefix=prefix)
     # Two layers: a prompt of 2-8K tokens takes about 0.6 s to compute on one core of
     # this kind (attention, quadratic in its length, is most of it), so that a point of
     # 100 requests takes minutes, not a quarter of an hour as with pd_ttft.py's twelve.
     model = tiny_long_model(scratch.name, layers=2)
-    return 49152, [*model, *common], ["--tokenizer", model[3], *args.router_flag], scratch
+    return scratch, model, ["--tokenizer", model[model.index("--tokenizer") + 1]]
 
 
 def save(args, results: list[dict], best: dict, plots: bool = True) -> None:

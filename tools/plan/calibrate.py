@@ -58,7 +58,7 @@ def in_service(args, threads: int, model: StepModel, hop_s: float) -> dict | Non
     router = args.router_model
     rng = random.Random(2)
     prefill, decode, extra = [], [], []
-    lengths = LONG_PROMPTS if getattr(args, "longdoc", False) else PROMPTS
+    lengths = LONG_PROMPTS if args.longdoc else PROMPTS
     lengths = lengths[:1] if args.quick else lengths
     with started(topology, flags, router) as served:
         for _ in range(args.repeats + 1):

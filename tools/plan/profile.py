@@ -233,15 +233,14 @@ def model_args(args):
         args.worker_model = args.router_model = ["--model", args.model] if args.model else []
         args.engine_kw = {"model": args.model} if args.model else {}
         return None
-    import tempfile
+    from baton.tools.bench.goodput import longdoc_model
 
-    from baton.tools.bench.pd_ttft import tiny_long_model
-
-    scratch = tempfile.TemporaryDirectory(prefix="baton-profile-")
-    flags = tiny_long_model(scratch.name, layers=2)  # as the goodput benchmark's
-    args.worker_model, args.router_model = flags, ["--tokenizer", flags[3]]
-    args.engine_kw = {"model": flags[1], "tokenizer": flags[3], "load_format": "dummy",
-                      "max_model_len": int(flags[7])}
+    scratch, args.worker_model, args.router_model = longdoc_model("baton-profile-")
+    # The same flags as EngineConfig fields: --max-model-len 16384 -> max_model_len=16384
+    flags = dict(zip(args.worker_model[::2], args.worker_model[1::2], strict=True))
+    kw: dict[str, str | int] = {k.lstrip("-").replace("-", "_"): v for k, v in flags.items()}
+    kw["max_model_len"] = int(kw["max_model_len"])
+    args.engine_kw = kw
     args.model = "longdoc"
     return scratch
 
