@@ -12,16 +12,15 @@ from baton.decode_worker.peers import Peers
 from baton.decode_worker.server import DecodeServicer
 from baton.router.clients import LocalWorkerClient
 from baton.router.config import RouterConfig
-from baton.router.server import build, run
+from baton.router.server import WORK_METHODS, build, run
 from baton.services.rpc import tracing
 from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, method_name
+from baton.services.rpc.server import Lifecycle
 from baton.services.worker.async_engine import AsyncEngine
 from baton.services.worker.config import WorkerConfig
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.runtime import make_engine, watch_ranks
 from baton.services.worker.worker_service import WorkerServicer
-from baton.v1 import generation_pb2 as gen
 
 
 def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
@@ -34,7 +33,7 @@ def serve(worker: WorkerConfig, router_config: RouterConfig) -> None:
                             engine.model_info.served_model_name)
     metrics.watch(aengine)
     watch_ranks(aengine)  # a tensor-parallel rank gone: the service stops
-    lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
+    lifecycle = Lifecycle(WORK_METHODS)
 
     async def main():
         # Never given a KV handle (no prefill workers here): it computes every prompt.

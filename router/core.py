@@ -176,10 +176,13 @@ class Router:
         callers with different API keys never share a cached block, nor learn from
         `cached_tokens` or `expected_cached_blocks` what another one sent. The key ids
         have one length: no salt of one namespace can spell another's."""
-        salt = job.request.cache_salt
+        return self.salt(job.request.cache_salt, caller)
+
+    def salt(self, cache_salt: str, caller: Caller) -> str:
+        """`cache_salt` within `caller`'s namespace (cache_salt above)."""
         if self.shared_prefix_cache or not caller.key_id:
-            return salt
-        return f"{caller.key_id}/{salt}"
+            return cache_salt
+        return f"{caller.key_id}/{cache_salt}"
 
     async def _generate(self, job: Job, caller: Caller, ctx: Context,
                         lora: wk.LoraAdapter | None = None):

@@ -160,6 +160,10 @@ class PrefixIndex:
                     disk += 1
         return Hit(n, host, disk)
 
+    def confirmed(self) -> set[bytes]:
+        """The hashes the worker's KV events say it holds (not those only predicted)."""
+        return {h for h, predicted in self._held.items() if not predicted}
+
     def reset(self) -> None:
         """The worker restarted or went away: it holds nothing we know of."""
         self._held.clear()

@@ -10,6 +10,8 @@ from contextlib import aclosing
 from pathlib import Path
 
 import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from baton.services.common.message_size import request_bytes
 from baton.services.common.tokenizer import Tokenizer
@@ -21,7 +23,7 @@ from baton.services.rpc.server import Lifecycle, method_name, run_server, servic
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
 
-from . import wire
+from . import vllm_wire, wire
 from .clients import GrpcWorkerClient, WorkerClient
 from .config import RouterConfig
 from .core import Router
@@ -30,10 +32,19 @@ from .lora.registry import RouterLoras
 from .metrics import RouterMetrics
 from .registry import Registry, Worker
 from .reply import Caller
+from .vllm_engine import VllmEngineServicer
 
-GENERATION_METHODS = tuple(method_name(gen, "Generation", m)
-                           for m in ("Generate", "Tokenize", "GetModelInfo",
-                                     "LoadLoraAdapter", "UnloadLoraAdapter"))
+VLLM = "VllmEngine"  # vllm.grpc.engine.VllmEngine (vllm_engine.py)
+# The methods that need an API key where the router has keys: every one of both APIs but
+# VllmEngine's HealthCheck (as gRPC's own health service, for probes).
+GENERATION_METHODS = (*(method_name(gen, "Generation", m)
+                        for m in ("Generate", "Tokenize", "GetModelInfo",
+                                  "LoadLoraAdapter", "UnloadLoraAdapter")),
+                      *(method_name(vllm, VLLM, m.name)
+                        for m in vllm.DESCRIPTOR.services_by_name[VLLM].methods
+                        if m.name != "HealthCheck"))
+# New work, refused while draining.
+WORK_METHODS = (method_name(gen, "Generation", "Generate"), method_name(vllm, VLLM, "Generate"))
 
 
 class RouterServicer(gen_grpc.GenerationServicer):
@@ -127,7 +138,9 @@ def build(config: RouterConfig, lifecycle: Lifecycle, prefill: Sequence[WorkerCl
     lifecycle.request_checks.update({
         method_name(gen, "Generation", "Generate"): wire.check_generate(config.limits,
                                                                         max_model_len),
-        method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits)})
+        method_name(gen, "Generation", "Tokenize"): wire.check_tokenize(config.limits),
+        method_name(vllm, VLLM, "Generate"): vllm_wire.check_generate(config.limits,
+                                                                      max_model_len)})
     lifecycle.parse_pool = intake.parse_pool
     metrics = RouterMetrics(config.served_model_name or "", vllm=vllm_metrics)
     metrics.set_slos(config.slo_ttft_ms, config.slo_itl_ms)
@@ -148,11 +161,22 @@ def authorize(lifecycle: Lifecycle, router: Router, security: Security) -> None:
         security.grpc_key_id(metadata) or "", load, raw)
 
 
+def services(router: Router, security: Security | None):
+    """What a router's server serves: Generation and VllmEngine over `router`."""
+    def register(server: grpc.aio.Server) -> list[str]:
+        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
+        vllm_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(router, security),
+                                                   server)
+        return [service_name(gen, "Generation"), service_name(vllm, VLLM)]
+
+    return register
+
+
 async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=None,
               on_stop=None, registries=()) -> None:
     """Serve `router` over gRPC (and HTTP when config.http_port) until SIGTERM, drain,
-    stop. The public port serves Generation alone (with health and reflection), never a
-    worker's services; `registries` adds metrics (a colocated worker's) to /metrics."""
+    stop. The public port serves Generation and VllmEngine (with health and reflection),
+    never a worker's services; `registries` adds metrics (a colocated worker's) to /metrics."""
     security = Security.of(config)
     if config.http_port:
         try:
@@ -165,9 +189,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
     http = (HttpServer(config, router, security, lifecycle, registries) if config.http_port
             else None)
 
-    def register(server: grpc.aio.Server) -> list[str]:
-        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
-        return [service_name(gen, "Generation")]
+    register = services(router, security)
 
     async def start() -> None:
         if http is not None:
@@ -198,7 +220,7 @@ async def run(config: RouterConfig, router: Router, lifecycle: Lifecycle, idle=N
 def serve(config: RouterConfig) -> None:
     """Run the router until SIGTERM, then drain its streams."""
     tracing.setup("baton-router", config.service)
-    lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
+    lifecycle = Lifecycle(WORK_METHODS)
 
     async def main():
         security = Security.of(config)

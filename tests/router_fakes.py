@@ -17,16 +17,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from baton.router.clients import GrpcWorkerClient
 from baton.router.config import RouterConfig
 from baton.router.core import Router
-from baton.router.server import RouterServicer, authorize, build
+from baton.router.server import WORK_METHODS, authorize, build, services
 from baton.services.common.block_hash import extend_hashes
 from baton.services.common.kv_events import KvEventLog
 from baton.services.rpc.errors import retry_metadata
 from baton.services.rpc.security import Security
-from baton.services.rpc.server import Lifecycle, make_server, method_name, service_name
+from baton.services.rpc.server import Lifecycle, make_server, service_name
 from baton.services.worker.messages import kv_events_message
 from baton.v1 import generation_pb2 as gen
 from baton.v1 import generation_pb2_grpc as gen_grpc
@@ -297,6 +298,7 @@ class Cluster:
     router: Router
     rounds: list[int] = field(default_factory=lambda: [0])  # the registry's polls so far
     servers: list[grpc.aio.Server] = field(default_factory=list)  # as prefill + decode
+    vllm: vllm_grpc.VllmEngineStub | None = None  # VllmEngine on the router's port
 
     async def restart(self, worker: FakeWorker) -> FakeWorker:
         """Kill `worker` (its server stops), wait until the registry has seen it down,
@@ -360,7 +362,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     config = RouterConfig(prefill=tuple(w.address for w in workers[:prefills]),
                           decode=tuple(w.address for w in workers[prefills:]),
                           model=str(tokenizer_model), http_port=0, **router_kw)
-    lifecycle = Lifecycle((method_name(gen, "Generation", "Generate"),))
+    lifecycle = Lifecycle(WORK_METHODS)
     router = build(config, lifecycle, [GrpcWorkerClient(a) for a in config.prefill],
                    [GrpcWorkerClient(a) for a in config.decode])
     registry = router.registry
@@ -375,11 +377,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     security = Security.of(config)  # the API keys, as `run` sets them up
     authorize(lifecycle, router, security)
 
-    def register(server):
-        gen_grpc.add_GenerationServicer_to_server(RouterServicer(router, security), server)
-        return [service_name(gen, "Generation")]
-
-    server = make_server(register, lifecycle)
+    server = make_server(services(router, security), lifecycle)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await lifecycle.set_serving(False)
@@ -388,7 +386,7 @@ async def cluster(tokenizer_model, prefills: int = 1, decodes: int = 1, **router
     try:
         yield Cluster(gen_grpc.GenerationStub(channel), workers[:prefills],
                       workers[prefills:], registry, lifecycle, f"127.0.0.1:{port}", router,
-                      rounds, servers)
+                      rounds, servers, vllm=vllm_grpc.VllmEngineStub(channel))
     finally:
         for w in workers:
             w.thaw()

@@ -35,12 +35,12 @@ from baton.services.rpc.server import Lifecycle, status_of
 from ..core import Router
 from ..lora import routes as lora_routes
 from ..reply import Caller
+from ..runs import Run
 from ..unparsed import ByteBudget, Held
 from . import errors, extra_routes
 from .body import HELD, KEY_ID, parse_body, parsed
 from .protocol import ChatRequest, CompletionRequest
 from .render import Choice, Renderer, Tally, error_body, event, param_of
-from .runs import Run
 from .streams import EventStream
 
 MAX_BODY_BYTES = 64 * 1024 * 1024

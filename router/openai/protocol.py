@@ -19,6 +19,7 @@ from baton.services.rpc.convert import sampling_message
 from baton.services.rpc.errors import InvalidArgument
 from baton.v1 import generation_pb2 as gen
 
+from ..runs import answer_size
 from .chat_fields import (
     Tool,
     ToolCall,
@@ -142,16 +143,12 @@ class Common(BaseModel):
         (each prompt's n x max_tokens x (1 + top_logprobs); max_tokens unset in a chat is
         the model's max_new_tokens, else the whole context), against --max-answer-tokens:
         refused before anything runs, naming the fields."""
-        if not requests:
-            return
-        s = requests[0].sampling  # every choice's is the same, but for its seed
-        top = s.logprobs if s.HasField("logprobs") else 0
-        total = len(requests) * s.max_tokens * (1 + top)
+        max_tokens, top, total = answer_size(requests)
         if total > limits.max_answer_tokens:
             most, top_name = self.answer_fields()
             raise OverLimit(
                 f"{most}: {len(requests) // self.n} prompt(s) x n {self.n} x {most} "
-                f"{s.max_tokens} x (1 + {top_name} {top}) = {total} tokens and logprobs "
+                f"{max_tokens} x (1 + {top_name} {top}) = {total} tokens and logprobs "
                 f"in the answer, over the limit of {limits.max_answer_tokens} "
                 "(--max-answer-tokens)")
 

@@ -14,7 +14,7 @@ import pytest
 from baton.router.openai import app as app_module
 from baton.router.openai.protocol import ChatRequest, CompletionRequest
 from baton.router.openai.render import ROWS, Choice, Renderer
-from baton.router.openai.runs import QUEUED, Run
+from baton.router.runs import QUEUED, Run
 from baton.services.common.finish import FinishReason
 from baton.services.common.limits import Limits, OverLimit
 from baton.v1 import generation_pb2 as gen

@@ -1,4 +1,5 @@
-"""The choices of one OpenAI request, running side by side over the router's one path.
+"""The choices of one request (OpenAI's n, or VllmEngine's), running side by side over
+the router's one path.
 
 For each prompt, choice 0 starts first; once it has its first token its prompt's KV is
 in the prefix cache, and the prompt's other n-1 choices start and hit it: the shared
@@ -18,10 +19,22 @@ from contextlib import aclosing
 
 from baton.v1 import generation_pb2 as gen
 
-from ..core import Admission, Router
-from ..reply import Caller
+from .core import Admission, Router
+from .reply import Caller
 
 QUEUED = 64  # replies of a request waiting for its client, over all of its choices
+
+
+def answer_size(requests: list[gen.GenerateRequest]) -> tuple[int, int, int]:
+    """(max_tokens, top logprobs, tokens and logprobs in all) that the answer of a
+    request's choices may hold, reckoned as vLLM's users would: choices x max_tokens x
+    (1 + top logprobs). Every front door holds it to --max-answer-tokens before anything
+    runs."""
+    if not requests:
+        return 0, 0, 0
+    s = requests[0].sampling  # every choice's is the same, but for its seed
+    top = s.logprobs if s.HasField("logprobs") else 0
+    return s.max_tokens, top, len(requests) * s.max_tokens * (1 + top)
 
 
 class Run:
