@@ -4,6 +4,7 @@ start one, wait until it answers health checks, stop them all (each drains first
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    """A port the system has free now (on 127.0.0.1), for a service started here."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve_command(role: str, address: str, *flags: str) -> list[str]:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from baton.services.rpc.processes import spawn, stop_all, wait_healthy
+from baton.services.rpc.processes import free_port, spawn, stop_all, wait_healthy
 
 from .serve import ENV
 
@@ -38,12 +37,6 @@ class Served:
     # Each process by the simulator's name for it (tools/plan/simulator.py: prefill-0,
     # decode-0, decode-1; colocated's one process is decode-0) and "router": its pid.
     pids: tuple[tuple[str, int], ...] = ()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cores(count: int = 2) -> list[str]:

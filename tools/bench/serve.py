@@ -146,10 +146,10 @@ async def warm_up(address: str) -> None:
             await asyncio.sleep(0.5)
 
 
-async def run_load_http(base: str, prompts: list[list[int]], output_len: int,
+async def run_load_http(base: str, prompts: list[list[int]] | list[str], output_len: int,
                         concurrency: int) -> Result:
     """The same load through the OpenAI-compatible API: streamed completions of the same
-    token-id prompts, tokens counted from each stream's usage."""
+    prompts (token ids, or text), tokens counted from each stream's usage."""
     import httpx
 
     res = Result()
@@ -160,8 +160,8 @@ async def run_load_http(base: str, prompts: list[list[int]], output_len: int,
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
-        async def one(ids: list[int]) -> None:
-            body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
+        async def one(prompt: list[int] | str) -> None:
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             t0 = last = time.perf_counter()

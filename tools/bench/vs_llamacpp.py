@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 from baton.services.common.default_model import cache_dir, default_model_path
+from baton.services.rpc.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a "
@@ -245,12 +245,6 @@ def batch1(args: argparse.Namespace, prompt: list[int]) -> None:
 
 
 # ---- W1 through the OpenAI servers --------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(base: str, proc: subprocess.Popen, timeout: float) -> str:
