@@ -29,6 +29,8 @@ CASES = [
 ]
 
 
+# Every test names `smollm` too: that puts this module in the group of the modules that
+# share those services (tests/xdist_groups.py), which stops them after its last test.
 @pytest.fixture(scope="module")
 def gateways(smollm, tmp_path_factory):
     """{"colocated"/"pd": (the gateway's URL, Baton's own HTTP URL, its workers to check)}"""
@@ -72,7 +74,7 @@ def ask(base: str, path: str, body: dict, stream: bool, model: str) -> dict:
 
 
 @pytest.mark.parametrize("where", ["colocated", "pd"])
-def test_through_smg_greedy_answers_equal_batons_own_openai_api(gateways, where):
+def test_through_smg_greedy_answers_equal_batons_own_openai_api(smollm, gateways, where):
     smg, own, _ = gateways[where]
     model = model_of(own)
     for path, body, stream, pd in CASES:
@@ -92,7 +94,7 @@ def test_through_smg_greedy_answers_equal_batons_own_openai_api(gateways, where)
             assert all(abs(a[1] - b[1]) < 0.05 for a, b in zip(lp_a, lp_b, strict=True))
 
 
-def test_a_refused_request_gets_the_gateways_error_with_batons_message(gateways):
+def test_a_refused_request_gets_the_gateways_error_with_batons_message(smollm, gateways):
     smg, own, _ = gateways["colocated"]
     body = {"model": model_of(own), "prompt": "hi", "max_tokens": 2, "stop": ["x" * 300]}
     reply = httpx.post(f"{smg}/v1/completions", json=body, timeout=60)
@@ -101,7 +103,8 @@ def test_a_refused_request_gets_the_gateways_error_with_batons_message(gateways)
 
 
 @pytest.mark.parametrize("where", ["colocated", "pd"])
-def test_a_client_that_leaves_the_gateway_mid_stream_frees_every_block(gateways, where):
+def test_a_client_that_leaves_the_gateway_mid_stream_frees_every_block(smollm, gateways,
+                                                                      where):
     smg, own, workers = gateways[where]
     body = {"model": model_of(own), "messages": [{"role": "user", "content": "A story."}],
             "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
