@@ -33,6 +33,8 @@ def gateway(workers: list[str], log: Path, *flags: str, model: str | None = None
     port = free_port()
     cmd = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-port", str(free_port()), "--log-level", "warn",
+           # Stopped at once: its default grace waits out every open stream (10 s here).
+           "--shutdown-grace-period-secs", "0",
            "--worker-urls", *(f"grpc://{w}" for w in workers), *flags]
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
