@@ -160,9 +160,10 @@ class PrefixIndex:
                     disk += 1
         return Hit(n, host, disk)
 
-    def confirmed(self) -> set[bytes]:
-        """The hashes the worker's KV events say it holds (not those only predicted)."""
-        return {h for h, predicted in self._held.items() if not predicted}
+    def holds(self, h: bytes) -> bool:
+        """Whether the worker's KV events say it holds block `h` (not only predicted)."""
+        predicted = self._held.get(h)
+        return predicted is not None and not predicted
 
     def reset(self) -> None:
         """The worker restarted or went away: it holds nothing we know of."""

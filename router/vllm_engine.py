@@ -73,6 +73,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         # served here: what a KV event says of a block (Baton's events carry hashes only)
         self._blocks: OrderedDict[bytes, tuple[bytes | None, list[int]]] = OrderedDict()
         self._tokenizer: tuple[bytes, str] | None = None
+        self._remembered = 0  # requests whose blocks were remembered, so far
 
     # ---- Generate -------------------------------------------------------------------
 
@@ -259,13 +260,21 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             self._blocks.move_to_end(h)
         while len(self._blocks) > KNOWN_BLOCKS:
             self._blocks.popitem(last=False)
+        self._remembered += 1
 
     def _held(self) -> set[bytes]:
-        """Every block the workers' prefix caches hold, as the router's index has them."""
-        out: set[bytes] = set()
-        for w in self._up():
-            out |= w.index.confirmed()
-        return out
+        """The blocks of requests served here (those whose tokens and parent are known:
+        a block sent without its parent would read as a chain's first) that the workers'
+        prefix caches hold now, as the router's index has them: at most KNOWN_BLOCKS
+        lookups."""
+        indexes = [w.index for w in self._up()]
+        return {h for h in self._blocks if any(i.holds(h) for i in indexes)}
+
+    def _marks(self) -> tuple:
+        """What changes when `_held` may: each worker's last KV event, and the blocks
+        remembered here."""
+        return (tuple((w.address, w.index.engine_id, w.index.seq) for w in self._up()),
+                self._remembered)
 
     async def SubscribeKvEvents(self, request, context):
         """Stored and removed blocks since the last batch, every EVENTS_POLL_S; the first
@@ -273,17 +282,17 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         sent: set[bytes] = set()
         seq = 0
         event_id = 0
-        first = True
+        first, marks = True, None
         while True:
-            held = self._held()
+            if not first and self._marks() == marks:  # nothing new: no set built
+                await asyncio.sleep(EVENTS_POLL_S)
+                continue
+            marks, held = self._marks(), self._held()
             events = []
             if first:
                 event_id += 1
                 events.append(common.KvCacheEvent(event_id=event_id,
                                                   cleared=common.KvCacheCleared()))
-            # Only blocks whose tokens and parent are known (those of requests served
-            # here): a block sent without its parent would read as a chain's first.
-            held = {h for h in held if h in self._blocks}
             removed = [h for h in sent - held]
             block = self._block_size()
             for h in self._in_order(held - sent):

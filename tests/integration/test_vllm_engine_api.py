@@ -18,6 +18,7 @@ from smg_grpc_proto.generated import common_pb2 as common
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
 from transformers import PreTrainedTokenizerFast
 
+from baton.services.common.block_hash import extend_hashes
 from baton.services.common.tokenizer import Tokenizer, tokenizer_dir
 from tests.router_fakes import PROMPT, cluster, expected, tokens
 
@@ -188,23 +189,31 @@ def test_get_tokenizer_streams_the_routers_tokenizer_as_one_zip(tok, tmp_path):
         str(tokenizer_dir(tok))).chat_template
 
 
-def test_kv_events_store_the_blocks_of_requests_served_with_their_tokens(tok):
+def test_kv_events_store_and_remove_the_blocks_of_requests_served_here(tok):
     async def main():
         async with cluster(tok) as c:
             await replies(c, generate(max_tokens=2))  # the decode fake caches PROMPT
             await c.polled()
             stream = c.vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest())
-            batch = await asyncio.wait_for(stream.read(), 10)
+            first = await asyncio.wait_for(stream.read(), 10)
+            hashes: list[bytes] = []
+            extend_hashes(hashes, PROMPT, 16)
+            for w in c.prefill + c.decode:  # every engine that held it evicts block 2
+                w.kv.removed(hashes[1])
+            second = await asyncio.wait_for(stream.read(), 10)
             stream.cancel()
-            return batch
+            return first, second
 
-    batch = asyncio.run(main())
-    assert batch.events[0].HasField("cleared")
-    stored = [e.stored for e in batch.events if e.HasField("stored")]
+    first, second = asyncio.run(main())
+    assert first.events[0].HasField("cleared")
+    stored = [e.stored for e in first.events if e.HasField("stored")]
     # PROMPT's 40 tokens: two full blocks, the second's parent the first.
     assert [list(s.blocks[0].token_ids) for s in stored] == [PROMPT[:16], PROMPT[16:32]]
     assert not stored[0].HasField("parent_block_hash")
     assert stored[1].parent_block_hash == stored[0].blocks[0].block_hash
+    (event,) = second.events
+    assert list(event.removed.block_hashes) == [stored[1].blocks[0].block_hash]
+    assert second.sequence_number == first.sequence_number + 1
 
 
 def test_api_keys_hold_as_for_baton_v1(tok):
