@@ -29,7 +29,9 @@ class Gateway(NamedTuple):
 @contextmanager
 def gateway(workers: list[str], log: Path, *flags: str, model: str | None = None):
     """`smg launch` with its vLLM gRPC backend in front of `workers` (Baton addresses);
-    yields it once `model` (else any model) is listed."""
+    yields it once `model` (else any model) is listed, every worker registered, and a
+    one-token completion answered: the gateway lists a model before it has fetched its
+    tokenizer, and answers 503 (tokenizer_not_ready) until then."""
     port = free_port()
     cmd = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-port", str(free_port()), "--log-level", "warn",
@@ -47,10 +49,13 @@ def gateway(workers: list[str], log: Path, *flags: str, model: str | None = None
             assert time.monotonic() < deadline, f"smg never ready: {log.read_text()[-2000:]}"
             try:
                 listed = httpx.get(f"{base}/v1/models", timeout=5).json().get("data", [])
-                if listed and (model is None or any(m["id"] == model for m in listed)):
-                    workers_up = httpx.get(f"{base}/workers", timeout=5).json()["workers"]
-                    if len(workers_up) == len(workers):
-                        break
+                named = [m["id"] for m in listed if model is None or m["id"] == model]
+                workers_up = httpx.get(f"{base}/workers", timeout=5).json()["workers"]
+                if named and len(workers_up) == len(workers) and httpx.post(
+                        f"{base}/v1/completions", timeout=60, json={
+                            "model": named[0], "prompt": "hi", "max_tokens": 1}
+                        ).status_code == 200:
+                    break
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
