@@ -5,12 +5,15 @@ another decode worker needs). The path that drives them is core.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
+from baton.services.rpc import tracing
+from baton.services.rpc.errors import DeadlineExceeded
 from baton.v1 import generation_pb2 as gen
 from baton.worker.v1 import worker_pb2 as wk
 
@@ -91,3 +94,25 @@ class Reply:
         else:
             dreq.output_token_ids.extend(self.streamed)
         return dreq
+
+
+def caller_of(context, security) -> Caller:
+    """The caller of a gRPC call: its deadline, its trace, and which API key it brought
+    (`security`: the router's keys, which the interceptor has checked; None: no keys)."""
+    metadata = context.invocation_metadata()
+    key = security.grpc_key_id(metadata) if security is not None else ""
+    return Caller(context.time_remaining, tracing.extract(metadata), key_id=key or "")
+
+
+async def write_within(context, msg, stall: float) -> None:
+    """One message of a stream to its gRPC client (a coroutine: gRPC's own flow control
+    holds the write while the client's window is full); a write held for `stall` seconds
+    (--stream-stall-timeout) cuts the stream, DEADLINE_EXCEEDED, and so aborts the
+    request everywhere."""
+    try:
+        async with asyncio.timeout(stall):
+            await context.write(msg)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"stream: the client read nothing for {stall:g} s (--stream-stall-timeout); "
+            "its request was aborted") from None

@@ -16,7 +16,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from baton.services.common.message_size import request_bytes
 from baton.services.common.tokenizer import Tokenizer
 from baton.services.rpc import tracing
-from baton.services.rpc.errors import DeadlineExceeded
 from baton.services.rpc.metrics import serve_metrics
 from baton.services.rpc.security import Security
 from baton.services.rpc.server import Lifecycle, method_name, run_server, service_name
@@ -31,7 +30,7 @@ from .intake import Intake
 from .lora.registry import RouterLoras
 from .metrics import RouterMetrics
 from .registry import Registry, Worker
-from .reply import Caller
+from .reply import caller_of, write_within
 from .vllm_engine import VllmEngineServicer
 
 VLLM = "VllmEngine"  # vllm.grpc.engine.VllmEngine (vllm_engine.py)
@@ -59,19 +58,11 @@ class RouterServicer(gen_grpc.GenerationServicer):
         writes: gRPC's own flow control holds each write while the client's window is
         full); a write held for --stream-stall-timeout cuts the stream, DEADLINE_EXCEEDED,
         and aborts the request everywhere."""
-        metadata = context.invocation_metadata()
-        key = self.security.grpc_key_id(metadata) if self.security is not None else ""
-        caller = Caller(context.time_remaining, tracing.extract(metadata), key_id=key or "")
+        caller = caller_of(context, self.security)
         stall = self.router.stream_stall_timeout
         async with aclosing(self.router.generate(request, caller)) as replies:
             async for reply in replies:
-                try:
-                    async with asyncio.timeout(stall):
-                        await context.write(reply)
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        f"stream: the client read nothing for {stall:g} s "
-                        "(--stream-stall-timeout); its request was aborted") from None
+                await write_within(context, reply, stall)
 
     async def Tokenize(self, request, context):
         return gen.TokenizeResponse(token_ids=await self.router.tokenize(request))

@@ -30,7 +30,6 @@ import tempfile
 import time
 import zipfile
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,18 +40,18 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from baton.services.common.block_hash import extend_hashes, extra_keys
-from baton.services.rpc import tracing
-from baton.services.rpc.errors import DeadlineExceeded
 from baton.v1 import generation_pb2 as gen
 
 from . import vllm_request
 from .core import Router
-from .reply import Caller
+from .reply import Caller, caller_of, write_within
 from .runs import Run, answer_size
 
 TOKENIZER_CHUNK = 1 << 20  # bytes of the tokenizer's zip per message
 EVENTS_POLL_S = 0.25  # how often a KV event stream looks at the prefix index
 KNOWN_BLOCKS = 65536  # blocks whose tokens the servicer remembers, for KV events
+# The last reply of a choice that Abort ended.
+ABORTED = gen.GenerateResponse(delta=gen.TokenDelta(finish_reason=gen.FINISH_REASON_ABORT))
 
 
 def block_id(h: bytes) -> int:
@@ -64,7 +63,8 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     def __init__(self, router: Router, security=None):
         self.router = router
         self.security = security
-        self._aborts: dict[str, asyncio.Event] = {}  # client request id -> its abort
+        self._running: dict[str, asyncio.Task] = {}  # client request id -> its Generate
+        self._aborted: set[asyncio.Task] = set()  # Generates that Abort cancelled
         self._started = time.time()
         self._last_request = 0.0
         self._rate: tuple[float, int] | None = None  # (when, tokens generated) at the last
@@ -76,11 +76,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         self._remembered = 0  # requests whose blocks were remembered, so far
 
     # ---- Generate -------------------------------------------------------------------
-
-    def _caller(self, context) -> Caller:
-        metadata = context.invocation_metadata()
-        key = self.security.grpc_key_id(metadata) if self.security is not None else ""
-        return Caller(context.time_remaining, tracing.extract(metadata), key_id=key or "")
 
     async def Generate(self, request, context):
         router = self.router
@@ -97,70 +92,42 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                if requests[0].WhichOneof("prompt") == "token_ids" else None)
         replies = [vllm_request.Replies(i, request.stream, ids, top_n)
                    for i in range(len(requests))]
-        caller = self._caller(context)
-        aborted = asyncio.Event()
-        rid = request.request_id
+        caller = caller_of(context, self.security)
+        rid, me = request.request_id, asyncio.current_task()
+        assert me is not None  # a gRPC handler runs in a task of its own
         # Every choice's slot of --max-inflight at once (RESOURCE_EXHAUSTED, else none).
         run = Run(router, requests, len(requests), caller, router.admit(len(requests)))
         stall = router.stream_stall_timeout
         try:
             if rid:
-                self._aborts[rid] = aborted
+                self._running[rid] = me
             run.start()
-            async with aclosing(self._events(run, aborted)) as events:
-                async for event in events:
-                    if event is None:  # aborted: every unfinished choice ends
-                        for r in replies:
-                            if not r.done:
-                                for out in r.of(abort_reply()):
-                                    await self._write(context, out, stall)
-                        return
-                    i, reply = event
+            async with aclosing(run.events()) as events:
+                async for i, reply in events:
                     self._remember(replies[i], reply, caller)
                     for out in replies[i].of(reply):
-                        await self._write(context, out, stall)
+                        await write_within(context, out, stall)
+        except asyncio.CancelledError:
+            if me not in self._aborted:  # the client left: the call ends cancelled
+                raise
+            me.uncancel()  # Abort: every unfinished choice ends with "abort"
+            for r in replies:
+                for out in [] if r.done else r.of(ABORTED):
+                    await write_within(context, out, stall)
         finally:
+            if rid and self._running.get(rid) is me:
+                del self._running[rid]  # first: an Abort from now on finds nothing to end
+            self._aborted.discard(me)
             await run.close()
-            if rid and self._aborts.get(rid) is aborted:
-                del self._aborts[rid]
-
-    async def _events(self, run: Run, aborted: asyncio.Event
-                      ) -> AsyncGenerator[tuple[int, gen.GenerateResponse] | None]:
-        """The run's (choice, reply) in arrival order, then None if it was aborted."""
-        events = run.events()
-        stop = asyncio.ensure_future(aborted.wait())
-        try:
-            while True:
-                nxt = asyncio.ensure_future(anext(events))
-                done, _ = await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt in done:
-                    try:
-                        yield nxt.result()
-                    except StopAsyncIteration:
-                        return
-                    continue
-                nxt.cancel()
-                yield None
-                return
-        finally:
-            stop.cancel()
-            await events.aclose()
-
-    @staticmethod
-    async def _write(context, out, stall: float) -> None:
-        try:
-            async with asyncio.timeout(stall):
-                await context.write(out)
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"stream: the client read nothing for {stall:g} s (--stream-stall-timeout);"
-                " its request was aborted") from None
 
     async def Abort(self, request, context):
+        """Cancels each named request's Generate, which then ends its stream ("abort");
+        closing its run frees its blocks on every worker."""
         for rid in request.request_ids:
-            event = self._aborts.get(rid)
-            if event is not None:
-                event.set()
+            task = self._running.get(rid)
+            if task is not None:
+                self._aborted.add(task)
+                task.cancel()
         return vllm.AbortResponse()
 
     # ---- What the router knows ------------------------------------------------------
@@ -337,8 +304,3 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
 
     async def StopProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: not supported")
-
-
-def abort_reply() -> gen.GenerateResponse:
-    """The last reply of a choice that Abort ended."""
-    return gen.GenerateResponse(delta=gen.TokenDelta(finish_reason=gen.FINISH_REASON_ABORT))

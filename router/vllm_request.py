@@ -54,11 +54,9 @@ def int32(name: str, value: int) -> int:
 
 
 def refuse_unsupported(request: vllm.GenerateRequest) -> None:
+    present = {fd.name for fd, _ in request.ListFields()}  # set, or a non-empty list
     for name, why in REFUSED.items():
-        field = getattr(request, name)
-        present = (request.HasField(name) if name not in ("extra_mm_inputs",)
-                   else bool(field))
-        if present:
+        if name in present:
             raise InvalidArgument(f"{name}: {why}")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidArgument(f"data_parallel_rank: {request.data_parallel_rank}; a Baton "

@@ -11,12 +11,11 @@ from collections.abc import Callable
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
 
-from baton.services.common import constraint_limits
-from baton.services.common.limits import TABLE, Limits, check_bound
+from baton.services.common.limits import TABLE, Limits
 from baton.services.rpc.errors import InvalidArgument
 
 from .vllm_request import REFUSED
-from .wire import LEN, VARINT, Bounded, _chars, _counted, _number, _varints, _Walk
+from .wire import CHOICES, LEN, VARINT, Bounded, _counted, _number, _Walk
 
 ROW = {row.name: row for row in TABLE}
 TOKENIZED, TEXT = _number(vllm.GenerateRequest, "tokenized"), _number(vllm.GenerateRequest,
@@ -24,8 +23,9 @@ TOKENIZED, TEXT = _number(vllm.GenerateRequest, "tokenized"), _number(vllm.Gener
 SAMPLING = _number(vllm.GenerateRequest, "sampling_params")
 INPUT_IDS = _number(vllm.TokenizedInput, "input_ids")
 ORIGINAL_TEXT = _number(vllm.TokenizedInput, "original_text")
-CHOICE, CHOICES = _number(vllm.SamplingParams, "choice"), _number(vllm.ChoiceConstraint,
-                                                                   "choices")
+CHOICE = _number(vllm.SamplingParams, "choice")
+# Its choices are walked as baton.v1's Choices are (wire.py): the same field number.
+assert _number(vllm.ChoiceConstraint, "choices") == CHOICES
 NOT_TAKEN = {_number(vllm.GenerateRequest, name): name for name in REFUSED}
 CONSTRAINT_STRINGS = {_number(vllm.SamplingParams, name): name
                       for name in ("json_schema", "regex", "grammar", "structural_tag")}
@@ -50,39 +50,22 @@ SAMPLING_BOUNDED = {
 class _VllmWalk(_Walk):
     def tokenized(self, start: int, end: int) -> None:
         for number, kind, a, b in self.fields(start, end, frozenset({(INPUT_IDS, VARINT)})):
-            if number == INPUT_IDS:  # packed (counted as bytes) or not
-                where = "tokenized.input_ids"
-                self.add(where, "max_prompt_token_ids",
-                         _varints(self.raw, a, b) if kind == LEN else 1)
-                most = self.max_model_len
-                if most is not None and self.counts[where] >= most:
-                    raise InvalidArgument(f"{where}: {self.counts[where]} or more token "
-                                          f"ids; max_model_len is {most}")
+            if number == INPUT_IDS:
+                self.prompt_ids("tokenized.input_ids", kind, a, b)
             elif number == ORIGINAL_TEXT and kind == LEN:
                 self.bounded(_row("tokenized.original_text", False, "max_prompt_chars"),
                              kind, a, b)
 
     def sampling_params(self, start: int, end: int) -> None:
-        most = constraint_limits.MAX_CONSTRAINT_CHARS
         for number, kind, a, b in self.fields(start, end, _counted(SAMPLING_BOUNDED)):
             if number in SAMPLING_BOUNDED:
                 self.bounded(SAMPLING_BOUNDED[number], kind, a, b)
             elif kind != LEN:
                 continue
-            elif number in CONSTRAINT_STRINGS and b - a > most:  # no more chars than bytes
-                check_bound(f"sampling_params.{CONSTRAINT_STRINGS[number]}",
-                            _chars(self.raw, a, b), most, "characters", more=True)
+            elif number in CONSTRAINT_STRINGS:
+                self.constraint_text(f"sampling_params.{CONSTRAINT_STRINGS[number]}", a, b)
             elif number == CHOICE:
-                self.choice(a, b)
-
-    def choice(self, start: int, end: int) -> None:
-        where = "sampling_params.choice"
-        for number, kind, a, b in self.fields(start, end, frozenset({(CHOICES, LEN)})):
-            if number == CHOICES and kind == LEN:
-                check_bound(where, self.tally(where, 1), constraint_limits.MAX_CHOICES,
-                            "choices", more=True)
-                check_bound(where, self.tally(where + " chars", _chars(self.raw, a, b)),
-                            constraint_limits.MAX_CONSTRAINT_CHARS, "characters", more=True)
+                self.choices(a, b, "sampling_params.choice")
 
 
 def check_generate(limits: Limits, max_model_len: Callable[[], int | None] = lambda: None

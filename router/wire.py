@@ -225,13 +225,18 @@ class _Walk:
 
     def token_ids(self, start: int, end: int) -> None:
         for number, kind, a, b in self.fields(start, end, frozenset({(IDS, VARINT)})):
-            if number == IDS:  # packed (counted as bytes, never one id at a time) or not
-                self.add("token_ids", "max_prompt_token_ids",
-                         _varints(self.raw, a, b) if kind == LEN else 1)
-                most = self.max_model_len
-                if most is not None and self.counts["token_ids"] >= most:
-                    raise InvalidArgument(f"token_ids: {self.counts['token_ids']} or more "
-                                          f"token ids; max_model_len is {most}")
+            if number == IDS:
+                self.prompt_ids("token_ids", kind, a, b)
+
+    def prompt_ids(self, where: str, kind: int, start: int, end: int) -> None:
+        """One field of prompt ids, packed (counted as bytes, never one id at a time) or
+        not, against max_prompt_token_ids and the model's length."""
+        self.add(where, "max_prompt_token_ids",
+                 _varints(self.raw, start, end) if kind == LEN else 1)
+        most = self.max_model_len
+        if most is not None and self.counts[where] >= most:
+            raise InvalidArgument(f"{where}: {self.counts[where]} or more token ids; "
+                                  f"max_model_len is {most}")
 
     def sampling(self, start: int, end: int) -> None:
         for number, kind, a, b in self.fields(start, end, _counted(SAMPLING_BOUNDED)):
@@ -243,7 +248,6 @@ class _Walk:
     def structured(self, start: int, end: int) -> None:
         """The engine's fixed bounds on a constraint (constraint_limits.py) and on its
         start marker."""
-        most = constraint_limits.MAX_CONSTRAINT_CHARS
         for number, kind, a, b in self.fields(start, end, frozenset({(START_AFTER, VARINT)})):
             if number == START_AFTER:  # packed (one field of any length) or not
                 where = f"{STRUCTURED_FIELD}.start_after_token_ids"
@@ -251,14 +255,19 @@ class _Walk:
                 check_bound(where, count, MAX_START_AFTER, "token ids", more=True)
             elif kind != LEN:
                 continue
-            elif number in CONSTRAINT_STRINGS and b - a > most:  # no more characters than bytes
-                check_bound(f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}",
-                            _chars(self.raw, a, b), most, "characters", more=True)
+            elif number in CONSTRAINT_STRINGS:
+                self.constraint_text(f"{STRUCTURED_FIELD}.{CONSTRAINT_STRINGS[number]}", a, b)
             elif number == CHOICE:
                 self.choices(a, b)
 
-    def choices(self, start: int, end: int) -> None:
-        where = f"{STRUCTURED_FIELD}.choice"
+    def constraint_text(self, where: str, start: int, end: int) -> None:
+        """A constraint's text (schema, regex, grammar) against the engine's fixed bound."""
+        most = constraint_limits.MAX_CONSTRAINT_CHARS
+        if end - start > most:  # no more characters than bytes: counted only past it
+            check_bound(where, _chars(self.raw, start, end), most, "characters", more=True)
+
+    def choices(self, start: int, end: int, where: str = f"{STRUCTURED_FIELD}.choice") -> None:
+        """A Choices message (or vLLM's ChoiceConstraint: the same field 1) at `where`."""
         for number, kind, a, b in self.fields(start, end, frozenset({(CHOICES, LEN)})):
             if number == CHOICES and kind == LEN:
                 check_bound(where, self.tally(where, 1), constraint_limits.MAX_CHOICES,
